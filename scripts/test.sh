@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The whole test suite, from a fresh machine: installs what it needs, then runs
+#   1. formatting and lints,
+#   2. the routing core's unit tests, natively and compiled to wasm32 (node runs them),
+#   3. the release .wasm build,
+#   4. integration tests against a real Envoy with the built filter.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+step() { printf '\n==> %s\n' "$*"; }
+
+step "installing test dependencies"
+# rustup reads rust-toolchain.toml: the pinned compiler and the wasm32 target.
+rustup show active-toolchain >/dev/null
+if ! command -v node >/dev/null; then
+  apt-get update -qq && apt-get install -y -qq nodejs
+fi
+python3 -m pip install --quiet --disable-pip-version-check -r tests/requirements.txt
+# The wasm test runner must match the wasm-bindgen version in Cargo.lock exactly.
+wbg_version=$(awk '/^name = "wasm-bindgen"$/ {getline; gsub(/"/, "", $3); print $3}' Cargo.lock)
+if [ "$(wasm-bindgen-test-runner --version 2>/dev/null | awk '{print $2}')" != "$wbg_version" ]; then
+  cargo install --quiet wasm-bindgen-cli --version "$wbg_version"
+fi
+
+step "format and lints"
+cargo fmt --all -- --check
+cargo clippy --quiet --all-targets -- -D warnings
+cargo clippy --quiet --target wasm32-unknown-unknown --lib -- -D warnings
+
+step "core unit tests (native)"
+cargo test --quiet --lib
+
+step "core unit tests (wasm32, in node)"
+CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUNNER=wasm-bindgen-test-runner \
+  cargo test --quiet --target wasm32-unknown-unknown --no-default-features --lib
+
+step "building kvroute.wasm"
+cargo build --quiet --target wasm32-unknown-unknown --release
+
+step "integration tests (real Envoy)"
+python3 -m pytest tests/integration -q -p no:cacheprovider

@@ -1,0 +1,349 @@
+//! Plugin configuration, validated once at `on_configure` into typed form.
+//!
+//! Both configurations are JSON objects. Unknown keys and out-of-range values are errors:
+//! the plugin refuses to load with a log line naming the key, instead of running with a
+//! setting the operator did not mean. Every key has a default, so `{}` is valid.
+//! Reference: `docs/configuration.md`.
+
+use crate::hash::DEFAULT_BLOCK_SIZE;
+use crate::layout::DEFAULT_BUCKETS;
+use serde::Deserialize;
+use std::fmt;
+
+/// A configuration that must not load.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigError(pub String);
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+fn bad(key: &str, why: impl fmt::Display) -> ConfigError {
+    ConfigError(format!("`{key}`: {why}"))
+}
+
+fn parse_json<T: for<'de> Deserialize<'de>>(bytes: &[u8]) -> Result<T, ConfigError> {
+    // An absent configuration means all defaults.
+    let text = std::str::from_utf8(bytes).map_err(|_| ConfigError("configuration is not UTF-8".into()))?;
+    let text = if text.trim().is_empty() { "{}" } else { text };
+    serde_json::from_str(text).map_err(|e| ConfigError(format!("invalid configuration: {e}")))
+}
+
+/// How requests are placed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    /// One worker does prefill and decode; candidates are workers of role `both`.
+    Aggregated,
+    /// Prefill/decode disaggregation: a prefill worker (role `prefill` or `both`) chosen
+    /// with the prefill weight is named in the prefiller header; the decode worker (role
+    /// `decode` or `both`) chosen with the decode weight is the destination.
+    Pd,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct RawFilterConfig {
+    token_header: String,
+    token_header_b64: String,
+    max_tokens: usize,
+    block_size: usize,
+    overlap_weight: f64,
+    prefill_overlap_weight: Option<f64>,
+    decode_overlap_weight: Option<f64>,
+    mode: Mode,
+    destination_header: String,
+    prefiller_header: String,
+    max_endpoints: usize,
+    predict_on_route: bool,
+    prediction_ttl_ms: u64,
+    inflight_lease_ms: u64,
+    debug_header: Option<String>,
+    forward_token_headers: bool,
+}
+
+impl Default for RawFilterConfig {
+    fn default() -> Self {
+        RawFilterConfig {
+            token_header: "x-prompt-token-ids".into(),
+            token_header_b64: "x-prompt-token-ids-b64".into(),
+            max_tokens: 131_072,
+            block_size: DEFAULT_BLOCK_SIZE,
+            overlap_weight: 1.0,
+            prefill_overlap_weight: None,
+            decode_overlap_weight: None,
+            mode: Mode::Aggregated,
+            destination_header: "x-gateway-destination-endpoint".into(),
+            prefiller_header: "x-prefiller-host-port".into(),
+            max_endpoints: 3,
+            predict_on_route: true,
+            prediction_ttl_ms: 2_000,
+            inflight_lease_ms: 600_000,
+            debug_header: None,
+            forward_token_headers: false,
+        }
+    }
+}
+
+/// The filter's configuration (`root_id` `kvroute`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct FilterConfig {
+    /// Header with decimal comma-separated token ids.
+    pub token_header: String,
+    /// Header with base64 little-endian `u32` token ids; read first when both are present.
+    pub token_header_b64: String,
+    pub max_tokens: usize,
+    pub block_size: usize,
+    pub overlap_weight: f64,
+    /// Prefill weight in PD mode (falls back to `overlap_weight`).
+    pub prefill_overlap_weight: f64,
+    /// Decode weight in PD mode (falls back to `overlap_weight`).
+    pub decode_overlap_weight: f64,
+    pub mode: Mode,
+    pub destination_header: String,
+    pub prefiller_header: String,
+    /// Length of the ranked destination list (the first is the choice, the rest are what
+    /// Envoy's retries try next).
+    pub max_endpoints: usize,
+    /// Count routed blocks as cached on the chosen worker until events confirm them.
+    pub predict_on_route: bool,
+    pub prediction_ttl_ms: u64,
+    pub inflight_lease_ms: u64,
+    /// Response header naming the chosen worker, its cache hits and cost; off when `None`.
+    pub debug_header: Option<String>,
+    /// Forward the token headers upstream. Off by default: engines do not need them, and a
+    /// long prompt's header can exceed the engine's own header limit.
+    pub forward_token_headers: bool,
+}
+
+fn header_name(key: &str, v: &str) -> Result<String, ConfigError> {
+    let ok = !v.is_empty() && v.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_');
+    if ok {
+        Ok(v.to_string())
+    } else {
+        Err(bad(key, format!("{v:?} is not a lowercase HTTP header name")))
+    }
+}
+
+fn weight(key: &str, v: f64) -> Result<f64, ConfigError> {
+    if v.is_finite() && (0.0..=1.0e6).contains(&v) {
+        Ok(v)
+    } else {
+        Err(bad(key, format!("{v} is not a weight in [0, 1e6]")))
+    }
+}
+
+impl FilterConfig {
+    pub fn from_json(bytes: &[u8]) -> Result<FilterConfig, ConfigError> {
+        let raw: RawFilterConfig = parse_json(bytes)?;
+        if !(1..=1024).contains(&raw.block_size) {
+            return Err(bad("block_size", format!("{} is not in 1..=1024", raw.block_size)));
+        }
+        if !(1..=1 << 22).contains(&raw.max_tokens) {
+            return Err(bad("max_tokens", format!("{} is not in 1..=4194304", raw.max_tokens)));
+        }
+        if !(1..=16).contains(&raw.max_endpoints) {
+            return Err(bad("max_endpoints", format!("{} is not in 1..=16", raw.max_endpoints)));
+        }
+        if raw.inflight_lease_ms < 1_000 {
+            return Err(bad("inflight_lease_ms", "must be at least 1000"));
+        }
+        let overlap_weight = weight("overlap_weight", raw.overlap_weight)?;
+        let prefill = match raw.prefill_overlap_weight {
+            Some(v) => weight("prefill_overlap_weight", v)?,
+            None => overlap_weight,
+        };
+        let decode = match raw.decode_overlap_weight {
+            Some(v) => weight("decode_overlap_weight", v)?,
+            None => overlap_weight,
+        };
+        let token_header = header_name("token_header", &raw.token_header)?;
+        let token_header_b64 = header_name("token_header_b64", &raw.token_header_b64)?;
+        if token_header == token_header_b64 {
+            return Err(bad("token_header_b64", "must differ from `token_header`"));
+        }
+        let destination_header = header_name("destination_header", &raw.destination_header)?;
+        let prefiller_header = header_name("prefiller_header", &raw.prefiller_header)?;
+        let debug_header = match raw.debug_header {
+            Some(h) => Some(header_name("debug_header", &h)?),
+            None => None,
+        };
+        Ok(FilterConfig {
+            token_header,
+            token_header_b64,
+            max_tokens: raw.max_tokens,
+            block_size: raw.block_size,
+            overlap_weight,
+            prefill_overlap_weight: prefill,
+            decode_overlap_weight: decode,
+            mode: raw.mode,
+            destination_header,
+            prefiller_header,
+            max_endpoints: raw.max_endpoints,
+            predict_on_route: raw.predict_on_route,
+            prediction_ttl_ms: raw.prediction_ttl_ms,
+            inflight_lease_ms: raw.inflight_lease_ms,
+            debug_header,
+            forward_token_headers: raw.forward_token_headers,
+        })
+    }
+
+    /// Every request header the filter owns: removed from client requests before routing,
+    /// so no client can pick the upstream host or forge a decision.
+    pub fn routing_headers(&self) -> Vec<&str> {
+        let mut v = vec![self.destination_header.as_str(), self.prefiller_header.as_str()];
+        if let Some(d) = &self.debug_header {
+            v.push(d.as_str());
+        }
+        v
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct RawSyncConfig {
+    feed_cluster: String,
+    feed_authority: String,
+    feed_path: String,
+    poll_timeout_ms: u64,
+    retry_interval_ms: u64,
+    stale_after_ms: u64,
+    n_buckets: u32,
+    max_frame_bytes: usize,
+}
+
+impl Default for RawSyncConfig {
+    fn default() -> Self {
+        RawSyncConfig {
+            feed_cluster: "kvroute_sidecar".into(),
+            feed_authority: "kvroute-sidecar".into(),
+            feed_path: "/v1/kv/feed".into(),
+            poll_timeout_ms: 5_000,
+            retry_interval_ms: 1_000,
+            stale_after_ms: 15_000,
+            n_buckets: DEFAULT_BUCKETS,
+            max_frame_bytes: 64 << 20,
+        }
+    }
+}
+
+/// The sync service's configuration (`root_id` `kvroute-sync`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SyncConfig {
+    /// Envoy cluster of the sidecar's feed.
+    pub feed_cluster: String,
+    pub feed_authority: String,
+    pub feed_path: String,
+    /// How long the sidecar may hold a poll open when nothing changed.
+    pub poll_timeout_ms: u64,
+    /// Wait after a failed poll.
+    pub retry_interval_ms: u64,
+    /// With no successful poll for this long the index is marked not live and requests are
+    /// routed by load only (the last known workers stay routable).
+    pub stale_after_ms: u64,
+    /// Number of bucket keys. Fixed key space: shared-data keys can never be deleted.
+    pub n_buckets: u32,
+    /// Largest feed response accepted; a larger one is an error, counted.
+    pub max_frame_bytes: usize,
+}
+
+impl SyncConfig {
+    pub fn from_json(bytes: &[u8]) -> Result<SyncConfig, ConfigError> {
+        let raw: RawSyncConfig = parse_json(bytes)?;
+        if raw.feed_cluster.is_empty() {
+            return Err(bad("feed_cluster", "must not be empty"));
+        }
+        if raw.feed_authority.is_empty() {
+            return Err(bad("feed_authority", "must not be empty"));
+        }
+        if !raw.feed_path.starts_with('/') || raw.feed_path.contains('?') {
+            return Err(bad("feed_path", "must be an absolute path without a query"));
+        }
+        if !(100..=60_000).contains(&raw.poll_timeout_ms) {
+            return Err(bad("poll_timeout_ms", "must be in 100..=60000"));
+        }
+        if !(10..=60_000).contains(&raw.retry_interval_ms) {
+            return Err(bad("retry_interval_ms", "must be in 10..=60000"));
+        }
+        if raw.stale_after_ms <= raw.poll_timeout_ms {
+            return Err(bad("stale_after_ms", "must exceed `poll_timeout_ms`"));
+        }
+        if !raw.n_buckets.is_power_of_two() || !(16..=1 << 20).contains(&raw.n_buckets) {
+            return Err(bad("n_buckets", format!("{} is not a power of two in 16..=1048576", raw.n_buckets)));
+        }
+        if raw.max_frame_bytes < 4096 {
+            return Err(bad("max_frame_bytes", "must be at least 4096"));
+        }
+        Ok(SyncConfig {
+            feed_cluster: raw.feed_cluster,
+            feed_authority: raw.feed_authority,
+            feed_path: raw.feed_path,
+            poll_timeout_ms: raw.poll_timeout_ms,
+            retry_interval_ms: raw.retry_interval_ms,
+            stale_after_ms: raw.stale_after_ms,
+            n_buckets: raw.n_buckets,
+            max_frame_bytes: raw.max_frame_bytes,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    #[test]
+    fn defaults_load_from_empty() {
+        let c = FilterConfig::from_json(b"").unwrap();
+        assert_eq!(c.block_size, 16);
+        assert_eq!(c.overlap_weight, 1.0);
+        assert_eq!(c.prefill_overlap_weight, 1.0);
+        assert_eq!(c.mode, Mode::Aggregated);
+        assert_eq!(FilterConfig::from_json(b"{}").unwrap(), c);
+        let s = SyncConfig::from_json(b" ").unwrap();
+        assert_eq!(s.n_buckets, 4096);
+    }
+
+    #[test]
+    fn role_weights_fall_back_to_global() {
+        let c =
+            FilterConfig::from_json(br#"{"overlap_weight": 3, "decode_overlap_weight": 2.0, "mode": "pd"}"#).unwrap();
+        assert_eq!((c.prefill_overlap_weight, c.decode_overlap_weight), (3.0, 2.0));
+        assert_eq!(c.mode, Mode::Pd);
+    }
+
+    #[test]
+    fn bad_configs_name_the_key() {
+        let cases: &[(&str, &str)] = &[
+            (r#"{"overlap_wieght": 1}"#, "overlap_wieght"),
+            (r#"{"overlap_weight": -1}"#, "overlap_weight"),
+            (r#"{"overlap_weight": "high"}"#, "invalid type"),
+            (r#"{"block_size": 0}"#, "block_size"),
+            (r#"{"mode": "disagg"}"#, "unknown variant"),
+            (r#"{"max_endpoints": 0}"#, "max_endpoints"),
+            (r#"{"token_header": "X-Tokens"}"#, "token_header"),
+            (r#"{"token_header_b64": "x-prompt-token-ids"}"#, "token_header_b64"),
+            (r#"{"decode_overlap_weight": 1e9}"#, "decode_overlap_weight"),
+            (r#"[1]"#, "invalid"),
+            (r#"{"#, "invalid"),
+        ];
+        for (json, needle) in cases {
+            let e = FilterConfig::from_json(json.as_bytes()).unwrap_err();
+            assert!(e.0.contains(needle), "{json}: {e}");
+        }
+        let sync_cases: &[(&str, &str)] = &[
+            (r#"{"n_buckets": 1000}"#, "n_buckets"),
+            (r#"{"feed_cluster": ""}"#, "feed_cluster"),
+            (r#"{"feed_path": "v1/kv/feed"}"#, "feed_path"),
+            (r#"{"stale_after_ms": 100}"#, "stale_after_ms"),
+            (r#"{"feed": 1}"#, "unknown field"),
+        ];
+        for (json, needle) in sync_cases {
+            let e = SyncConfig::from_json(json.as_bytes()).unwrap_err();
+            assert!(e.0.contains(needle), "{json}: {e}");
+        }
+    }
+}

@@ -1,0 +1,145 @@
+//! Block hashing: the one implementation the filter and the sidecar share.
+//!
+//! A prompt is cut into blocks of `block_size` tokens (the engines' `--block-size` /
+//! `--page-size`); the trailing partial block is not hashed, as the engines do not cache
+//! it either. For block `i`, with its tokens as little-endian `u32` bytes:
+//!
+//! ```text
+//! local_i = xxh3_64_with_seed(le_u32_bytes(block_i), 1337)
+//! seq_0   = local_0
+//! seq_i   = xxh3_64_with_seed(le_u64(seq_{i-1}) ++ le_u64(local_i), 1337)
+//! ```
+//!
+//! `local_i` equals the `tokens_hash` of NVIDIA Dynamo's KV router, so block identities
+//! interoperate with it; the chain is ours. `seq_i` names block `i` *and everything before
+//! it*, so two requests share block `i` exactly when they share the first `i + 1` blocks.
+//! Test vectors: `tests/vectors/block_hashes.json`.
+
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+/// Seed of both hashes (Dynamo's `XXH3_SEED`).
+pub const HASH_SEED: u64 = 1337;
+
+/// Default tokens per block; must equal the engines' block/page size.
+pub const DEFAULT_BLOCK_SIZE: usize = 16;
+
+/// Hash of one block's tokens, given as little-endian `u32` bytes.
+#[inline]
+pub fn local_hash(block_le: &[u8]) -> u64 {
+    xxh3_64_with_seed(block_le, HASH_SEED)
+}
+
+/// Chains a block's local hash onto its parent's sequence hash.
+#[inline]
+pub fn chain_hash(parent_seq: u64, local: u64) -> u64 {
+    let mut buf = [0u8; 16];
+    buf[..8].copy_from_slice(&parent_seq.to_le_bytes());
+    buf[8..].copy_from_slice(&local.to_le_bytes());
+    xxh3_64_with_seed(&buf, HASH_SEED)
+}
+
+/// The sequence hash of a block given its parent's (`None` for the first block).
+#[inline]
+pub fn seq_hash(parent_seq: Option<u64>, block_le: &[u8]) -> u64 {
+    let local = local_hash(block_le);
+    match parent_seq {
+        None => local,
+        Some(parent) => chain_hash(parent, local),
+    }
+}
+
+/// Sequence hashes of every whole block of `tokens_le` (token ids as little-endian `u32`
+/// bytes), appended to `out` after clearing it. `block_size` must be at least 1.
+pub fn block_hashes_le(tokens_le: &[u8], block_size: usize, out: &mut Vec<u64>) {
+    out.clear();
+    let block_bytes = block_size.max(1) * 4;
+    out.reserve(tokens_le.len() / block_bytes);
+    let mut parent = None;
+    for block in tokens_le.chunks_exact(block_bytes) {
+        let h = seq_hash(parent, block);
+        out.push(h);
+        parent = Some(h);
+    }
+}
+
+/// [`block_hashes_le`] for token ids held as `u32`s (the sidecar's and tests' form).
+pub fn block_hashes(tokens: &[u32], block_size: usize) -> Vec<u64> {
+    let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
+    let mut out = Vec::new();
+    block_hashes_le(&bytes, block_size, &mut out);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    #[derive(serde::Deserialize)]
+    struct Vectors {
+        seed: u64,
+        cases: Vec<Case>,
+    }
+
+    #[derive(serde::Deserialize)]
+    struct Case {
+        name: String,
+        block_size: usize,
+        tokens: Vec<u32>,
+        local_hashes: Vec<String>,
+        seq_hashes: Vec<String>,
+    }
+
+    fn le(tokens: &[u32]) -> Vec<u8> {
+        tokens.iter().flat_map(|t| t.to_le_bytes()).collect()
+    }
+
+    #[test]
+    fn local_hash_matches_dynamo() {
+        // Dynamo 1.6.1 `compute_block_hash_for_seq` of tokens 1000..1015, block size 16.
+        let tokens: Vec<u32> = (1000..1016).collect();
+        assert_eq!(local_hash(&le(&tokens)), 17_863_182_269_597_592_868);
+        assert_eq!(block_hashes(&tokens, 16), vec![17_863_182_269_597_592_868]);
+    }
+
+    #[test]
+    fn chain_depends_on_every_earlier_block() {
+        let a: Vec<u32> = (0..64).collect();
+        let mut b = a.clone();
+        b[3] = 999; // first block differs
+        let ha = block_hashes(&a, 16);
+        let hb = block_hashes(&b, 16);
+        assert_eq!(ha.len(), 4);
+        assert!(ha.iter().zip(&hb).all(|(x, y)| x != y));
+        // Same first two blocks, different third: first two hashes agree, rest differ.
+        let mut c = a.clone();
+        c[40] = 7;
+        let hc = block_hashes(&c, 16);
+        assert_eq!(&ha[..2], &hc[..2]);
+        assert_ne!(ha[2], hc[2]);
+        assert_ne!(ha[3], hc[3]);
+    }
+
+    #[test]
+    fn partial_block_is_not_hashed() {
+        let t: Vec<u32> = (0..47).collect();
+        assert_eq!(block_hashes(&t, 16).len(), 2);
+        assert!(block_hashes(&t[..15], 16).is_empty());
+    }
+
+    #[test]
+    fn published_vectors_hold() {
+        let v: Vectors = serde_json::from_str(include_str!("../tests/vectors/block_hashes.json")).unwrap();
+        assert_eq!(v.seed, HASH_SEED);
+        assert!(v.cases.len() >= 4);
+        for case in &v.cases {
+            let seq = block_hashes(&case.tokens, case.block_size);
+            let seq: Vec<String> = seq.iter().map(u64::to_string).collect();
+            assert_eq!(seq, case.seq_hashes, "{}", case.name);
+            let local: Vec<String> =
+                le(&case.tokens).chunks_exact(case.block_size * 4).map(|b| local_hash(b).to_string()).collect();
+            assert_eq!(local, case.local_hashes, "{}", case.name);
+        }
+    }
+}

@@ -1,0 +1,574 @@
+//! The sync service's model of the fleet: feed frames in, bucket and table values out.
+//!
+//! It keeps the sidecar's index in bucket order (what the filter reads is a bucket), the
+//! slot assignment (stable for the process: in-flight entries name slots), and which
+//! buckets changed since they were last written. It never touches the in-flight part of a
+//! bucket; the writer merges that from the current shared value.
+
+use crate::feed::{Frame, FrameKind, Op};
+use crate::layout::{bucket_of, SlotState, WorkerSlot, WorkerTable};
+use crate::slots::MAX_SLOTS;
+use std::fmt;
+
+/// Why a frame was not applied. The sync service then asks for a fresh snapshot.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ResyncNeeded(pub String);
+
+impl fmt::Display for ResyncNeeded {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// What one applied frame changed.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ApplyStats {
+    pub stored: u64,
+    pub removed: u64,
+    pub cleared_workers: u64,
+    /// Workers beyond [`MAX_SLOTS`]: ignored, with their ops.
+    pub workers_rejected: u64,
+}
+
+/// Where the next poll starts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PollPosition {
+    pub epoch: u64,
+    pub since: u64,
+    pub cursor: u64,
+}
+
+pub struct SyncIndex {
+    n_buckets: u32,
+    /// u64 words per holder mask; grows with the slot count.
+    mask_words: usize,
+    /// Per bucket, entries `[hash, mask_words × u64]` flattened, sorted by hash.
+    buckets: Vec<Vec<u64>>,
+    slots: Vec<WorkerSlot>,
+    block_size: u32,
+    epoch: u64,
+    version: u64,
+    /// Mid-snapshot: the cursor of the next page.
+    snapshot_cursor: Option<u64>,
+    /// No frame accepted yet (or the last one was refused): ask for a snapshot.
+    need_snapshot: bool,
+    live: bool,
+    /// The first snapshot rewrites every bucket: shared data outlives the VM, so a bucket
+    /// this VM never wrote may hold an older index.
+    rewrite_all: bool,
+    dirty: Vec<u32>,
+    is_dirty: Vec<bool>,
+    table_dirty: bool,
+    entries: u64,
+}
+
+impl SyncIndex {
+    pub fn new(n_buckets: u32) -> SyncIndex {
+        let n = n_buckets.max(1) as usize;
+        SyncIndex {
+            n_buckets,
+            mask_words: 1,
+            buckets: vec![Vec::new(); n],
+            slots: Vec::new(),
+            block_size: 0,
+            epoch: 0,
+            version: 0,
+            snapshot_cursor: None,
+            need_snapshot: true,
+            live: false,
+            rewrite_all: true,
+            dirty: Vec::new(),
+            is_dirty: vec![false; n],
+            table_dirty: true,
+            entries: 0,
+        }
+    }
+
+    /// Takes over the slot assignment of a table found in shared data (this VM restarted;
+    /// in-flight entries of the old one name these slots). Workers start down until the
+    /// sidecar says otherwise.
+    pub fn restore_slots(&mut self, table: &WorkerTable) {
+        self.slots = table
+            .slots
+            .iter()
+            .map(|s| WorkerSlot {
+                id: s.id.clone(),
+                role: s.role,
+                state: if s.state == SlotState::Gone { SlotState::Gone } else { SlotState::Down },
+            })
+            .collect();
+        self.mask_words = self.slots.len().div_ceil(64).max(1);
+        self.table_dirty = true;
+    }
+
+    pub fn poll_position(&self) -> PollPosition {
+        if self.need_snapshot {
+            return PollPosition { epoch: 0, since: 0, cursor: 0 };
+        }
+        PollPosition { epoch: self.epoch, since: self.version, cursor: self.snapshot_cursor.unwrap_or(0) }
+    }
+
+    /// Forget the feed position: the next poll asks for a snapshot.
+    pub fn request_snapshot(&mut self) {
+        self.need_snapshot = true;
+        self.snapshot_cursor = None;
+    }
+
+    pub fn is_live(&self) -> bool {
+        self.live
+    }
+
+    /// Marks the index current or stale (the filter routes by load while stale).
+    pub fn set_live(&mut self, live: bool) {
+        if self.live != live {
+            self.live = live;
+            self.table_dirty = true;
+        }
+    }
+
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    pub fn version(&self) -> u64 {
+        self.version
+    }
+
+    /// Distinct cached blocks in the index (a block several workers hold is one entry).
+    pub fn entries(&self) -> u64 {
+        self.entries
+    }
+
+    pub fn n_buckets(&self) -> u32 {
+        self.n_buckets
+    }
+
+    pub fn apply(&mut self, frame: &Frame) -> Result<ApplyStats, ResyncNeeded> {
+        match frame.kind {
+            FrameKind::SnapshotStart => {
+                self.reset();
+                self.epoch = frame.epoch;
+            }
+            FrameKind::SnapshotMore => {
+                if self.snapshot_cursor.is_none() || frame.epoch != self.epoch || frame.to_version != self.version {
+                    return Err(self.refuse("snapshot page does not continue the snapshot in progress"));
+                }
+            }
+            FrameKind::Delta => {
+                if self.need_snapshot || self.snapshot_cursor.is_some() {
+                    return Err(self.refuse("delta while a snapshot is needed"));
+                }
+                if frame.epoch != self.epoch {
+                    return Err(self.refuse("epoch changed"));
+                }
+                if frame.from_version != self.version {
+                    return Err(self.refuse("delta does not start at our version"));
+                }
+            }
+        }
+        if self.block_size != frame.block_size {
+            self.block_size = frame.block_size;
+            self.table_dirty = true;
+        }
+        self.version = frame.to_version;
+        self.need_snapshot = false;
+        self.snapshot_cursor = match (frame.kind, frame.next_cursor) {
+            (FrameKind::Delta, _) | (_, 0) => None,
+            (_, c) => Some(c),
+        };
+
+        let mut stats = ApplyStats::default();
+        let slot_of = self.apply_workers(frame, &mut stats);
+        for op in &frame.ops {
+            let (Op::Store { worker, .. } | Op::Remove { worker, .. } | Op::Clear { worker }) = op;
+            let Some(Some(slot)) = slot_of.get(*worker as usize).copied() else { continue };
+            match op {
+                Op::Store { blocks, .. } => {
+                    for b in blocks {
+                        stats.stored += u64::from(self.set_bit(b.hash, b.anchor, slot, true));
+                    }
+                }
+                Op::Remove { blocks, .. } => {
+                    for b in blocks {
+                        stats.removed += u64::from(self.set_bit(b.hash, b.anchor, slot, false));
+                    }
+                }
+                Op::Clear { .. } => {
+                    self.clear_slot(slot);
+                    stats.cleared_workers += 1;
+                }
+            }
+        }
+        Ok(stats)
+    }
+
+    fn refuse(&mut self, why: &str) -> ResyncNeeded {
+        self.request_snapshot();
+        ResyncNeeded(why.to_string())
+    }
+
+    fn reset(&mut self) {
+        for b in 0..self.buckets.len() {
+            if !self.buckets[b].is_empty() || self.rewrite_all {
+                self.buckets[b].clear();
+                self.mark(b as u32);
+            }
+        }
+        self.rewrite_all = false;
+        self.entries = 0;
+        self.table_dirty = true;
+    }
+
+    /// Updates the slot table from the frame's fleet; returns frame worker index → slot.
+    fn apply_workers(&mut self, frame: &Frame, stats: &mut ApplyStats) -> Vec<Option<usize>> {
+        let mut slot_of = Vec::with_capacity(frame.workers.len());
+        let mut present = vec![false; self.slots.len()];
+        for w in &frame.workers {
+            let slot = match self.slots.iter().position(|s| s.id == w.id) {
+                Some(s) => s,
+                None if self.slots.len() < MAX_SLOTS => {
+                    self.slots.push(WorkerSlot { id: w.id.clone(), role: w.role, state: SlotState::Down });
+                    present.push(false);
+                    self.table_dirty = true;
+                    self.slots.len() - 1
+                }
+                None => {
+                    stats.workers_rejected += 1;
+                    slot_of.push(None);
+                    continue;
+                }
+            };
+            present[slot] = true;
+            let state = if w.up { SlotState::Up } else { SlotState::Down };
+            let s = &mut self.slots[slot];
+            if s.state != state || s.role != w.role {
+                s.state = state;
+                s.role = w.role;
+                self.table_dirty = true;
+            }
+            slot_of.push(Some(slot));
+        }
+        let gone: Vec<usize> =
+            (0..self.slots.len()).filter(|&s| !present[s] && self.slots[s].state != SlotState::Gone).collect();
+        for slot in gone {
+            self.slots[slot].state = SlotState::Gone;
+            self.table_dirty = true;
+            self.clear_slot(slot);
+        }
+        let needed = self.slots.len().div_ceil(64).max(1);
+        if needed > self.mask_words {
+            self.widen_masks(needed);
+        }
+        slot_of
+    }
+
+    fn widen_masks(&mut self, words: usize) {
+        let old = self.mask_words;
+        for b in 0..self.buckets.len() {
+            if self.buckets[b].is_empty() {
+                continue;
+            }
+            let mut wide = Vec::with_capacity(self.buckets[b].len() / (1 + old) * (1 + words));
+            for e in self.buckets[b].chunks_exact(1 + old) {
+                wide.extend_from_slice(e);
+                wide.extend(std::iter::repeat_n(0, words - old));
+            }
+            self.buckets[b] = wide;
+            self.mark(b as u32);
+        }
+        self.mask_words = words;
+    }
+
+    fn mark(&mut self, b: u32) {
+        if !self.is_dirty[b as usize] {
+            self.is_dirty[b as usize] = true;
+            self.dirty.push(b);
+        }
+    }
+
+    /// Sets or clears `slot` on `hash`; true when that changed anything.
+    fn set_bit(&mut self, hash: u64, anchor: u64, slot: usize, on: bool) -> bool {
+        let b = bucket_of(anchor, self.n_buckets);
+        let stride = 1 + self.mask_words;
+        let entries = &mut self.buckets[b as usize];
+        let n = entries.len() / stride;
+        let (mut lo, mut hi) = (0, n);
+        while lo < hi {
+            let mid = (lo + hi) / 2;
+            if entries[mid * stride] < hash {
+                lo = mid + 1;
+            } else {
+                hi = mid;
+            }
+        }
+        let (word, bit) = (slot / 64, 1u64 << (slot % 64));
+        let found = lo < n && entries[lo * stride] == hash;
+        let changed = match (found, on) {
+            (true, true) => {
+                let w = &mut entries[lo * stride + 1 + word];
+                let changed = *w & bit == 0;
+                *w |= bit;
+                changed
+            }
+            (true, false) => {
+                let w = &mut entries[lo * stride + 1 + word];
+                let changed = *w & bit != 0;
+                *w &= !bit;
+                if entries[lo * stride + 1..(lo + 1) * stride].iter().all(|w| *w == 0) {
+                    entries.drain(lo * stride..(lo + 1) * stride);
+                    self.entries -= 1;
+                }
+                changed
+            }
+            (false, true) => {
+                let at = lo * stride;
+                entries.splice(at..at, std::iter::repeat_n(0, stride));
+                entries[at] = hash;
+                entries[at + 1 + word] = bit;
+                self.entries += 1;
+                true
+            }
+            (false, false) => false,
+        };
+        if changed {
+            self.mark(b);
+        }
+        changed
+    }
+
+    fn clear_slot(&mut self, slot: usize) {
+        let stride = 1 + self.mask_words;
+        let (word, bit) = (slot / 64, 1u64 << (slot % 64));
+        if word >= self.mask_words {
+            return;
+        }
+        for b in 0..self.buckets.len() {
+            let entries = &mut self.buckets[b];
+            if entries.is_empty() {
+                continue;
+            }
+            let before = entries.len();
+            let mut touched = false;
+            let mut kept = Vec::with_capacity(before);
+            for e in entries.chunks_exact(stride) {
+                let mut e = e.to_vec();
+                if e[1 + word] & bit != 0 {
+                    touched = true;
+                    e[1 + word] &= !bit;
+                }
+                if e[1..].iter().any(|w| *w != 0) {
+                    kept.extend_from_slice(&e);
+                } else {
+                    self.entries -= 1;
+                }
+            }
+            if touched {
+                *entries = kept;
+                self.mark(b as u32);
+            }
+        }
+    }
+
+    /// Buckets changed since the last call, to be written.
+    pub fn take_dirty(&mut self) -> Vec<u32> {
+        for &b in &self.dirty {
+            self.is_dirty[b as usize] = false;
+        }
+        std::mem::take(&mut self.dirty)
+    }
+
+    /// Puts a bucket back on the dirty list (its write failed).
+    pub fn mark_dirty(&mut self, b: u32) {
+        if (b as usize) < self.buckets.len() {
+            self.mark(b);
+        }
+    }
+
+    /// The index part of bucket `b` as stored: `(mask_words, n_idx, raw entries)`.
+    pub fn encode_idx(&self, b: u32) -> (usize, usize, Vec<u8>) {
+        let entries = &self.buckets[b as usize];
+        let stride = 1 + self.mask_words;
+        let raw = entries.iter().flat_map(|w| w.to_le_bytes()).collect();
+        (self.mask_words, entries.len() / stride, raw)
+    }
+
+    /// The worker table if it changed since the last call.
+    pub fn take_table(&mut self) -> Option<WorkerTable> {
+        if !self.table_dirty {
+            return None;
+        }
+        self.table_dirty = false;
+        Some(self.table())
+    }
+
+    pub fn table(&self) -> WorkerTable {
+        WorkerTable {
+            index_live: self.live,
+            block_size: self.block_size,
+            n_buckets: self.n_buckets,
+            epoch: self.epoch,
+            version: self.version,
+            slots: self.slots.clone(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::feed::{FeedBlock, FeedWorker};
+    use crate::layout::{encode_bucket, Bucket, Role};
+    use crate::slots::SlotSet;
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    pub(crate) fn worker(id: &str) -> FeedWorker {
+        FeedWorker { id: id.into(), role: Role::Both, up: true }
+    }
+
+    fn frame(kind: FrameKind, from: u64, to: u64, workers: Vec<FeedWorker>, ops: Vec<Op>) -> Frame {
+        Frame { kind, epoch: 1, from_version: from, to_version: to, next_cursor: 0, block_size: 16, workers, ops }
+    }
+
+    fn holders(ix: &SyncIndex, hash: u64, anchor: u64) -> Vec<usize> {
+        let b = bucket_of(anchor, ix.n_buckets());
+        let (mw, n, raw) = ix.encode_idx(b);
+        let bytes = encode_bucket(mw, n, &raw, &[]);
+        let mut s = SlotSet::EMPTY;
+        Bucket::parse(&bytes).unwrap().holders(hash, 0, false, &mut s);
+        s.iter().collect()
+    }
+
+    fn blk(hash: u64) -> FeedBlock {
+        FeedBlock { hash, anchor: 1000 }
+    }
+
+    #[test]
+    fn snapshot_then_deltas() {
+        let mut ix = SyncIndex::new(64);
+        assert_eq!(ix.poll_position(), PollPosition { epoch: 0, since: 0, cursor: 0 });
+        let ws = vec![worker("a:1"), worker("b:1")];
+        let snap = frame(
+            FrameKind::SnapshotStart,
+            0,
+            5,
+            ws.clone(),
+            vec![Op::Store { worker: 1, blocks: vec![blk(7), blk(8)] }],
+        );
+        ix.apply(&snap).unwrap();
+        assert_eq!(ix.take_dirty().len(), 64, "first snapshot rewrites every bucket");
+        assert_eq!(holders(&ix, 7, 1000), vec![1]);
+        assert_eq!(ix.poll_position(), PollPosition { epoch: 1, since: 5, cursor: 0 });
+        let d = frame(
+            FrameKind::Delta,
+            5,
+            6,
+            ws.clone(),
+            vec![Op::Store { worker: 0, blocks: vec![blk(7)] }, Op::Remove { worker: 1, blocks: vec![blk(8), blk(9)] }],
+        );
+        let st = ix.apply(&d).unwrap();
+        assert_eq!((st.stored, st.removed), (1, 1));
+        assert_eq!(holders(&ix, 7, 1000), vec![0, 1]);
+        assert!(holders(&ix, 8, 1000).is_empty());
+        assert_eq!(ix.take_dirty(), vec![bucket_of(1000, 64)]);
+        assert_eq!(ix.entries(), 1);
+        // A delta that does not start at our version forces a snapshot.
+        let gap = frame(FrameKind::Delta, 9, 10, ws.clone(), vec![]);
+        assert!(ix.apply(&gap).is_err());
+        assert_eq!(ix.poll_position().since, 0);
+        assert!(ix.apply(&frame(FrameKind::Delta, 6, 7, ws, vec![])).is_err(), "still needs a snapshot");
+    }
+
+    #[test]
+    fn workers_leave_and_slots_stay() {
+        let mut ix = SyncIndex::new(16);
+        ix.apply(&frame(
+            FrameKind::SnapshotStart,
+            0,
+            1,
+            vec![worker("a:1"), worker("b:1")],
+            vec![Op::Store { worker: 0, blocks: vec![blk(1)] }, Op::Store { worker: 1, blocks: vec![blk(1)] }],
+        ))
+        .unwrap();
+        // b leaves: its bits go, its slot stays reserved; c gets a new slot.
+        ix.apply(&frame(FrameKind::Delta, 1, 2, vec![worker("a:1"), worker("c:1")], vec![])).unwrap();
+        let t = ix.take_table().unwrap();
+        assert_eq!(
+            t.slots.iter().map(|s| (s.id.as_str(), s.state)).collect::<Vec<_>>(),
+            vec![("a:1", SlotState::Up), ("b:1", SlotState::Gone), ("c:1", SlotState::Up)]
+        );
+        assert_eq!(holders(&ix, 1, 1000), vec![0]);
+        assert!(ix.take_table().is_none());
+        // Down state and clear.
+        let mut down = worker("a:1");
+        down.up = false;
+        ix.apply(&frame(FrameKind::Delta, 2, 3, vec![down, worker("c:1")], vec![Op::Clear { worker: 0 }])).unwrap();
+        assert_eq!(ix.table().slots[0].state, SlotState::Down);
+        assert!(holders(&ix, 1, 1000).is_empty());
+        assert_eq!(ix.entries(), 0);
+    }
+
+    #[test]
+    fn masks_widen_past_64_workers() {
+        let mut ix = SyncIndex::new(16);
+        let ws: Vec<_> = (0..70).map(|i| worker(&format!("w:{i}"))).collect();
+        ix.apply(&frame(
+            FrameKind::SnapshotStart,
+            0,
+            1,
+            ws[..2].to_vec(),
+            vec![Op::Store { worker: 1, blocks: vec![blk(5)] }],
+        ))
+        .unwrap();
+        ix.apply(&frame(FrameKind::Delta, 1, 2, ws.clone(), vec![Op::Store { worker: 69, blocks: vec![blk(5)] }]))
+            .unwrap();
+        assert_eq!(holders(&ix, 5, 1000), vec![1, 69]);
+    }
+
+    #[test]
+    fn paged_snapshot() {
+        let mut ix = SyncIndex::new(16);
+        let mut p1 = frame(
+            FrameKind::SnapshotStart,
+            0,
+            9,
+            vec![worker("a:1")],
+            vec![Op::Store { worker: 0, blocks: vec![blk(1)] }],
+        );
+        p1.next_cursor = 77;
+        ix.apply(&p1).unwrap();
+        assert_eq!(ix.poll_position(), PollPosition { epoch: 1, since: 9, cursor: 77 });
+        let p2 = frame(
+            FrameKind::SnapshotMore,
+            0,
+            9,
+            vec![worker("a:1")],
+            vec![Op::Store { worker: 0, blocks: vec![blk(2)] }],
+        );
+        ix.apply(&p2).unwrap();
+        assert_eq!(ix.poll_position(), PollPosition { epoch: 1, since: 9, cursor: 0 });
+        assert_eq!(ix.entries(), 2);
+        // A stray continuation page is refused.
+        assert!(ix.apply(&p2).is_err());
+    }
+
+    #[test]
+    fn restored_slots_are_kept() {
+        let mut ix = SyncIndex::new(16);
+        ix.restore_slots(&WorkerTable {
+            index_live: true,
+            block_size: 16,
+            n_buckets: 16,
+            epoch: 1,
+            version: 1,
+            slots: vec![
+                WorkerSlot { id: "x:1".into(), role: Role::Both, state: SlotState::Up },
+                WorkerSlot { id: "y:1".into(), role: Role::Both, state: SlotState::Up },
+            ],
+        });
+        ix.apply(&frame(FrameKind::SnapshotStart, 0, 1, vec![worker("y:1")], vec![])).unwrap();
+        let t = ix.table();
+        assert_eq!(t.slots[1].state, SlotState::Up);
+        assert_eq!(t.slots[0].state, SlotState::Gone);
+    }
+}

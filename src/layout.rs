@@ -1,0 +1,554 @@
+//! The shared-data layout: what the sync service writes and the filter reads.
+//!
+//! proxy-wasm shared data is one process-global map per `vm_id` behind one mutex; every
+//! `get` copies the value twice and keys can never be deleted (ABI 0.2.1). So the layout
+//! has a fixed, bounded key space and the request path reads a handful of small values:
+//!
+//! | key | writer | value |
+//! |---|---|---|
+//! | `kvroute.workers` | sync | [`WorkerTable`]: slots, ids, roles, up/down, feed state |
+//! | `kvroute.load` | filters (CAS) | [`LoadVector`]: distinct in-flight blocks per slot |
+//! | `kvroute.b.{0..n_buckets}` | sync + filters (CAS) | [`Bucket`]: cached blocks and in-flight/predicted blocks |
+//!
+//! Blocks are grouped into *segments* of a request's block sequence whose lengths double:
+//! `[0,32) [32,64) [64,128) [128,256) …` (see [`segments`]). All blocks of one segment go to
+//! the bucket of the segment's first block (its *anchor*), so scoring a request reads one
+//! bucket per segment — 3 reads for 2k tokens, 7 for 32k — and stops at the first segment
+//! nobody holds. The full format is in `docs/shared-data.md`.
+
+use crate::slots::{SlotSet, MAX_SLOTS};
+use std::fmt;
+use std::ops::Range;
+
+pub const TABLE_KEY: &str = "kvroute.workers";
+pub const LOAD_KEY: &str = "kvroute.load";
+const BUCKET_KEY_PREFIX: &str = "kvroute.b.";
+
+/// Blocks in the first segment; each later segment is as long as everything before it.
+pub const SEGMENT_BASE_BLOCKS: usize = 32;
+
+/// Default number of index buckets (keys). Power of two.
+pub const DEFAULT_BUCKETS: u32 = 4096;
+
+/// Key of bucket `b`.
+pub fn bucket_key(b: u32) -> String {
+    format!("{BUCKET_KEY_PREFIX}{b}")
+}
+
+/// Bucket of a segment anchor. `n_buckets` is a power of two (checked at configuration).
+#[inline]
+pub fn bucket_of(anchor: u64, n_buckets: u32) -> u32 {
+    // xxh3 output is well mixed; folding the halves keeps both in play for small masks.
+    ((anchor ^ (anchor >> 32)) as u32) & (n_buckets.max(1) - 1)
+}
+
+/// Position of the anchor (first block) of the segment holding block `pos`.
+#[inline]
+pub fn anchor_position(pos: usize) -> usize {
+    if pos < SEGMENT_BASE_BLOCKS {
+        0
+    } else {
+        // Largest SEGMENT_BASE_BLOCKS * 2^k <= pos.
+        let k = usize::BITS - 1 - (pos / SEGMENT_BASE_BLOCKS).leading_zeros();
+        SEGMENT_BASE_BLOCKS << k
+    }
+}
+
+/// The segments of a request of `n_blocks` blocks, in order.
+pub fn segments(n_blocks: usize) -> impl Iterator<Item = Range<usize>> {
+    let mut start = 0usize;
+    std::iter::from_fn(move || {
+        if start >= n_blocks {
+            return None;
+        }
+        let end = if start == 0 { SEGMENT_BASE_BLOCKS } else { start * 2 };
+        let r = start..end.min(n_blocks);
+        start = end;
+        Some(r)
+    })
+}
+
+/// A shared-data value that could not be decoded. The filter routes by load and counts it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LayoutError(pub &'static str);
+
+impl fmt::Display for LayoutError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "bad shared-data value: {}", self.0)
+    }
+}
+
+/// Little-endian reader over a byte slice that fails instead of panicking.
+pub(crate) struct Reader<'a> {
+    bytes: &'a [u8],
+    pos: usize,
+}
+
+impl<'a> Reader<'a> {
+    pub(crate) fn new(bytes: &'a [u8]) -> Self {
+        Reader { bytes, pos: 0 }
+    }
+    pub(crate) fn remaining(&self) -> usize {
+        self.bytes.len() - self.pos
+    }
+    pub(crate) fn take(&mut self, n: usize, what: &'static str) -> Result<&'a [u8], LayoutError> {
+        if self.remaining() < n {
+            return Err(LayoutError(what));
+        }
+        let s = &self.bytes[self.pos..self.pos + n];
+        self.pos += n;
+        Ok(s)
+    }
+    pub(crate) fn u8(&mut self, what: &'static str) -> Result<u8, LayoutError> {
+        Ok(self.take(1, what)?[0])
+    }
+    pub(crate) fn u16(&mut self, what: &'static str) -> Result<u16, LayoutError> {
+        let b = self.take(2, what)?;
+        Ok(u16::from_le_bytes([b[0], b[1]]))
+    }
+    pub(crate) fn u32(&mut self, what: &'static str) -> Result<u32, LayoutError> {
+        let b = self.take(4, what)?;
+        Ok(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+    }
+    pub(crate) fn u64(&mut self, what: &'static str) -> Result<u64, LayoutError> {
+        Ok(le_u64(self.take(8, what)?))
+    }
+}
+
+#[inline]
+pub(crate) fn le_u64(b: &[u8]) -> u64 {
+    let mut a = [0u8; 8];
+    a.copy_from_slice(&b[..8]);
+    u64::from_le_bytes(a)
+}
+
+// ---------------------------------------------------------------------------------------
+// Worker table
+
+/// What a worker does in a prefill/decode (PD) disaggregated fleet.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    Both = 0,
+    Prefill = 1,
+    Decode = 2,
+}
+
+impl Role {
+    pub fn from_u8(v: u8) -> Option<Role> {
+        match v {
+            0 => Some(Role::Both),
+            1 => Some(Role::Prefill),
+            2 => Some(Role::Decode),
+            _ => None,
+        }
+    }
+    pub fn can_prefill(self) -> bool {
+        matches!(self, Role::Both | Role::Prefill)
+    }
+    pub fn can_decode(self) -> bool {
+        matches!(self, Role::Both | Role::Decode)
+    }
+}
+
+/// A slot's state in the table.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SlotState {
+    /// Assigned once, the worker has since left the fleet; the slot is not reused.
+    Gone = 0,
+    Up = 1,
+    /// In the fleet, but the sidecar marked it down: never chosen.
+    Down = 2,
+}
+
+impl SlotState {
+    fn from_u8(v: u8) -> Option<SlotState> {
+        match v {
+            0 => Some(SlotState::Gone),
+            1 => Some(SlotState::Up),
+            2 => Some(SlotState::Down),
+            _ => None,
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct WorkerSlot {
+    /// `ip:port`, as Envoy's `workers` cluster knows the host.
+    pub id: String,
+    pub role: Role,
+    pub state: SlotState,
+}
+
+/// The worker table and the feed's state, written by the sync service.
+#[derive(Clone, Debug, PartialEq)]
+pub struct WorkerTable {
+    /// The index in the buckets is current (the sidecar answered recently). When false the
+    /// filter routes by load only.
+    pub index_live: bool,
+    /// The fleet's block size, as the sidecar hashes; must equal the filter's.
+    pub block_size: u32,
+    pub n_buckets: u32,
+    pub epoch: u64,
+    pub version: u64,
+    /// Indexed by slot.
+    pub slots: Vec<WorkerSlot>,
+}
+
+const TABLE_FORMAT: u16 = 1;
+
+impl WorkerTable {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(32 + self.slots.len() * 24);
+        out.extend_from_slice(&TABLE_FORMAT.to_le_bytes());
+        out.push(u8::from(self.index_live));
+        out.push(0);
+        out.extend_from_slice(&self.block_size.to_le_bytes());
+        out.extend_from_slice(&self.n_buckets.to_le_bytes());
+        out.extend_from_slice(&self.epoch.to_le_bytes());
+        out.extend_from_slice(&self.version.to_le_bytes());
+        out.extend_from_slice(&(self.slots.len() as u16).to_le_bytes());
+        for s in &self.slots {
+            out.push(s.state as u8);
+            out.push(s.role as u8);
+            let id = &s.id.as_bytes()[..s.id.len().min(255)];
+            out.push(id.len() as u8);
+            out.extend_from_slice(id);
+        }
+        out
+    }
+
+    pub fn decode(bytes: &[u8]) -> Result<WorkerTable, LayoutError> {
+        let mut r = Reader::new(bytes);
+        if r.u16("table format")? != TABLE_FORMAT {
+            return Err(LayoutError("unknown table format"));
+        }
+        let index_live = r.u8("table flags")? & 1 == 1;
+        r.u8("table reserved")?;
+        let block_size = r.u32("block size")?;
+        let n_buckets = r.u32("bucket count")?;
+        if !n_buckets.is_power_of_two() {
+            return Err(LayoutError("bucket count not a power of two"));
+        }
+        let epoch = r.u64("epoch")?;
+        let version = r.u64("version")?;
+        let n = usize::from(r.u16("slot count")?);
+        if n > MAX_SLOTS {
+            return Err(LayoutError("too many slots"));
+        }
+        let mut slots = Vec::with_capacity(n);
+        for _ in 0..n {
+            let state = SlotState::from_u8(r.u8("slot state")?).ok_or(LayoutError("slot state"))?;
+            let role = Role::from_u8(r.u8("slot role")?).ok_or(LayoutError("slot role"))?;
+            let len = usize::from(r.u8("id length")?);
+            let id = std::str::from_utf8(r.take(len, "id")?).map_err(|_| LayoutError("id utf-8"))?;
+            slots.push(WorkerSlot { id: id.to_string(), role, state });
+        }
+        Ok(WorkerTable { index_live, block_size, n_buckets, epoch, version, slots })
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Load vector
+
+/// Distinct in-flight prompt blocks per slot (`active_blocks(w)` of the cost function):
+/// `n_slots × u32` little-endian; missing tail slots are 0.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct LoadVector(pub Vec<u32>);
+
+impl LoadVector {
+    pub fn decode(bytes: &[u8]) -> LoadVector {
+        LoadVector(
+            bytes.chunks_exact(4).take(MAX_SLOTS).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
+        )
+    }
+    pub fn encode(&self) -> Vec<u8> {
+        self.0.iter().flat_map(|v| v.to_le_bytes()).collect()
+    }
+    pub fn get(&self, slot: usize) -> u32 {
+        self.0.get(slot).copied().unwrap_or(0)
+    }
+    /// Applies signed per-slot changes, saturating at 0.
+    pub fn apply(&mut self, deltas: &[(usize, i64)]) {
+        for &(slot, d) in deltas {
+            if slot >= MAX_SLOTS {
+                continue;
+            }
+            if self.0.len() <= slot {
+                self.0.resize(slot + 1, 0);
+            }
+            let v = i64::from(self.0[slot]) + d;
+            self.0[slot] = v.clamp(0, i64::from(u32::MAX)) as u32;
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Buckets
+
+/// A block a filter routed to a worker: in flight while `refs > 0`, then a prediction
+/// until `until_ms` (or until the sidecar's index confirms it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FlyEntry {
+    pub hash: u64,
+    pub slot: u16,
+    /// Streams in flight holding this block on this slot.
+    pub refs: u16,
+    /// While `refs > 0`: lease end (a stream that never released, e.g. a VM that died, is
+    /// dropped then). After: end of the prediction.
+    pub until_ms: u64,
+}
+
+impl FlyEntry {
+    #[inline]
+    pub fn live(&self, now_ms: u64) -> bool {
+        self.until_ms > now_ms
+    }
+}
+
+const BUCKET_FORMAT: u16 = 1;
+const BUCKET_HEADER: usize = 12;
+const FLY_ENTRY: usize = 20;
+
+/// A decoded view of one bucket value. An empty value is an empty bucket (keys cannot be
+/// deleted, so "removed" is "stored empty").
+///
+/// ```text
+/// u16 format = 1 | u16 mask_words | u32 n_idx | u32 n_fly
+/// n_idx × (u64 hash, mask_words × u64 holder mask)      sorted by hash   (sync-owned)
+/// n_fly × (u64 hash, u16 slot, u16 refs, u64 until_ms)   sorted by (hash, slot) (filter-owned)
+/// ```
+#[derive(Clone, Copy, Debug)]
+pub struct Bucket<'a> {
+    mask_words: usize,
+    n_idx: usize,
+    idx: &'a [u8],
+    n_fly: usize,
+    fly: &'a [u8],
+}
+
+impl<'a> Bucket<'a> {
+    pub const EMPTY: Bucket<'static> = Bucket { mask_words: 0, n_idx: 0, idx: &[], n_fly: 0, fly: &[] };
+
+    pub fn parse(bytes: &'a [u8]) -> Result<Bucket<'a>, LayoutError> {
+        if bytes.is_empty() {
+            return Ok(Bucket::EMPTY);
+        }
+        let mut r = Reader::new(bytes);
+        if r.u16("bucket format")? != BUCKET_FORMAT {
+            return Err(LayoutError("unknown bucket format"));
+        }
+        let mask_words = usize::from(r.u16("mask words")?);
+        if mask_words > MAX_SLOTS / 64 {
+            return Err(LayoutError("mask too wide"));
+        }
+        let n_idx = r.u32("index count")? as usize;
+        let n_fly = r.u32("in-flight count")? as usize;
+        let idx_len = n_idx.checked_mul(8 + 8 * mask_words).ok_or(LayoutError("index size"))?;
+        let fly_len = n_fly.checked_mul(FLY_ENTRY).ok_or(LayoutError("in-flight size"))?;
+        if r.remaining() != idx_len.saturating_add(fly_len) {
+            return Err(LayoutError("bucket length"));
+        }
+        let idx = r.take(idx_len, "index entries")?;
+        let fly = r.take(fly_len, "in-flight entries")?;
+        Ok(Bucket { mask_words, n_idx, idx, n_fly, fly })
+    }
+
+    pub fn n_idx(&self) -> usize {
+        self.n_idx
+    }
+
+    pub fn n_fly(&self) -> usize {
+        self.n_fly
+    }
+
+    fn idx_stride(&self) -> usize {
+        8 + 8 * self.mask_words
+    }
+
+    fn idx_hash(&self, i: usize) -> u64 {
+        le_u64(&self.idx[i * self.idx_stride()..])
+    }
+
+    /// The holder mask of `hash` in the index part, as raw little-endian words.
+    pub fn idx_mask(&self, hash: u64) -> Option<&'a [u8]> {
+        let (mut lo, mut hi) = (0, self.n_idx);
+        while lo < hi {
+            let mid = (lo + hi) / 2;
+            match self.idx_hash(mid).cmp(&hash) {
+                std::cmp::Ordering::Less => lo = mid + 1,
+                std::cmp::Ordering::Greater => hi = mid,
+                std::cmp::Ordering::Equal => {
+                    let s = mid * self.idx_stride() + 8;
+                    return Some(&self.idx[s..s + 8 * self.mask_words]);
+                }
+            }
+        }
+        None
+    }
+
+    pub fn fly_entry(&self, i: usize) -> FlyEntry {
+        let b = &self.fly[i * FLY_ENTRY..(i + 1) * FLY_ENTRY];
+        FlyEntry {
+            hash: le_u64(b),
+            slot: u16::from_le_bytes([b[8], b[9]]),
+            refs: u16::from_le_bytes([b[10], b[11]]),
+            until_ms: le_u64(&b[12..]),
+        }
+    }
+
+    pub fn fly_entries(&self) -> impl Iterator<Item = FlyEntry> + '_ {
+        (0..self.n_fly).map(move |i| self.fly_entry(i))
+    }
+
+    /// Index of the first in-flight entry with `entry.hash >= hash`.
+    fn fly_lower_bound(&self, hash: u64) -> usize {
+        let (mut lo, mut hi) = (0, self.n_fly);
+        while lo < hi {
+            let mid = (lo + hi) / 2;
+            if le_u64(&self.fly[mid * FLY_ENTRY..]) < hash {
+                lo = mid + 1;
+            } else {
+                hi = mid;
+            }
+        }
+        lo
+    }
+
+    /// Adds to `out` every slot holding `hash`: in the sidecar's index, and (when
+    /// `with_fly`) in flight or predicted at `now_ms`.
+    #[inline]
+    pub fn holders(&self, hash: u64, now_ms: u64, with_fly: bool, out: &mut SlotSet) {
+        if let Some(mask) = self.idx_mask(hash) {
+            out.union_le_words(mask);
+        }
+        if with_fly && self.n_fly > 0 {
+            let mut i = self.fly_lower_bound(hash);
+            while i < self.n_fly {
+                let e = self.fly_entry(i);
+                if e.hash != hash {
+                    break;
+                }
+                if e.live(now_ms) {
+                    out.insert(usize::from(e.slot));
+                }
+                i += 1;
+            }
+        }
+    }
+
+    /// The raw index part, for re-encoding a bucket after changing only its in-flight part.
+    pub fn idx_raw(&self) -> (usize, usize, &'a [u8]) {
+        (self.mask_words, self.n_idx, self.idx)
+    }
+}
+
+/// Encodes a bucket from a raw index part and in-flight entries (sorted by the caller's
+/// edit functions). Both parts empty encode to an empty value.
+pub fn encode_bucket(mask_words: usize, n_idx: usize, idx_raw: &[u8], fly: &[FlyEntry]) -> Vec<u8> {
+    if n_idx == 0 && fly.is_empty() {
+        return Vec::new();
+    }
+    let mut out = Vec::with_capacity(BUCKET_HEADER + idx_raw.len() + fly.len() * FLY_ENTRY);
+    out.extend_from_slice(&BUCKET_FORMAT.to_le_bytes());
+    out.extend_from_slice(&(mask_words as u16).to_le_bytes());
+    out.extend_from_slice(&(n_idx as u32).to_le_bytes());
+    out.extend_from_slice(&(fly.len() as u32).to_le_bytes());
+    out.extend_from_slice(idx_raw);
+    for e in fly {
+        out.extend_from_slice(&e.hash.to_le_bytes());
+        out.extend_from_slice(&e.slot.to_le_bytes());
+        out.extend_from_slice(&e.refs.to_le_bytes());
+        out.extend_from_slice(&e.until_ms.to_le_bytes());
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    #[test]
+    fn segments_double() {
+        let s: Vec<_> = segments(300).collect();
+        assert_eq!(s, vec![0..32, 32..64, 64..128, 128..256, 256..300]);
+        assert_eq!(segments(0).count(), 0);
+        assert_eq!(segments(5).collect::<Vec<_>>(), vec![0..5]);
+        assert_eq!(segments(128).count(), 3); // 2k tokens at block size 16
+        assert_eq!(segments(2048).count(), 7); // 32k tokens
+        for seg in segments(5000) {
+            for p in seg.clone() {
+                assert_eq!(anchor_position(p), seg.start, "pos {p}");
+            }
+        }
+    }
+
+    #[test]
+    fn table_round_trip_and_rejects_garbage() {
+        let t = WorkerTable {
+            index_live: true,
+            block_size: 16,
+            n_buckets: 4096,
+            epoch: 7,
+            version: 42,
+            slots: vec![
+                WorkerSlot { id: "10.0.0.1:8000".into(), role: Role::Both, state: SlotState::Up },
+                WorkerSlot { id: "[::1]:9".into(), role: Role::Decode, state: SlotState::Down },
+            ],
+        };
+        let bytes = t.encode();
+        assert_eq!(WorkerTable::decode(&bytes), Ok(t));
+        for cut in 0..bytes.len() {
+            assert!(WorkerTable::decode(&bytes[..cut]).is_err(), "cut {cut}");
+        }
+        let mut bad = bytes.clone();
+        bad[0] = 9;
+        assert!(WorkerTable::decode(&bad).is_err());
+    }
+
+    #[test]
+    fn bucket_round_trip_and_lookup() {
+        // Two index entries, mask_words 1: hash 5 on slots {0,2}, hash 9 on {1}.
+        let mut idx = Vec::new();
+        for (h, m) in [(5u64, 0b101u64), (9, 0b10)] {
+            idx.extend_from_slice(&h.to_le_bytes());
+            idx.extend_from_slice(&m.to_le_bytes());
+        }
+        let fly = [
+            FlyEntry { hash: 5, slot: 3, refs: 1, until_ms: 100 },
+            FlyEntry { hash: 9, slot: 4, refs: 0, until_ms: 50 },
+        ];
+        let bytes = encode_bucket(1, 2, &idx, &fly);
+        let b = Bucket::parse(&bytes).unwrap();
+        let mut s = SlotSet::EMPTY;
+        b.holders(5, 60, true, &mut s);
+        assert_eq!(s.iter().collect::<Vec<_>>(), vec![0, 2, 3]);
+        let mut s = SlotSet::EMPTY;
+        b.holders(9, 60, true, &mut s); // prediction expired at 50
+        assert_eq!(s.iter().collect::<Vec<_>>(), vec![1]);
+        let mut s = SlotSet::EMPTY;
+        b.holders(5, 60, false, &mut s);
+        assert_eq!(s.iter().collect::<Vec<_>>(), vec![0, 2]);
+        let mut s = SlotSet::EMPTY;
+        b.holders(6, 0, true, &mut s);
+        assert!(s.is_empty());
+        assert_eq!(b.fly_entries().collect::<Vec<_>>(), fly.to_vec());
+        for cut in 1..bytes.len() {
+            assert!(Bucket::parse(&bytes[..cut]).is_err(), "cut {cut}");
+        }
+        assert_eq!(encode_bucket(1, 0, &[], &[]), Vec::<u8>::new());
+        assert_eq!(Bucket::parse(&[]).unwrap().n_idx(), 0);
+    }
+
+    #[test]
+    fn load_vector_saturates() {
+        let mut l = LoadVector::decode(&[]);
+        l.apply(&[(2, 5), (0, -3)]);
+        assert_eq!(l.0, vec![0, 0, 5]);
+        l.apply(&[(2, -7)]);
+        assert_eq!(l.get(2), 0);
+        assert_eq!(LoadVector::decode(&l.encode()), l);
+        assert_eq!(l.get(99), 0);
+    }
+}

@@ -1,0 +1,34 @@
+//! kvroute: KV-cache-aware routing for LLM inference fleets, as an Envoy proxy-wasm filter.
+//!
+//! The routing core (everything but `wasm`) has no host imports: it builds and is tested
+//! natively, and the sidecar links it for the same hashing and feed encoding.
+//!
+//! - [`tokens`]: token-id headers → little-endian token bytes
+//! - [`hash`]: chained XXH3-64 block hashes (shared with the sidecar)
+//! - [`score`]: the cost function and ranking
+//! - [`layout`]: the shared-data layout the sync service writes and the filter reads
+//! - [`inflight`]: in-flight / predicted blocks and `active_blocks`
+//! - [`router`]: one routing decision over a [`router::SharedStore`]
+//! - [`feed`]: the sidecar → sync service frame format
+//! - [`index`]: the sync service's model of the fleet
+//! - [`config`]: plugin configuration, validated
+//!
+//! `wasm` (only on `wasm32` with the `filter` feature) is the proxy-wasm glue: the HTTP
+//! filter (`root_id` `kvroute`) and the sync service (`root_id` `kvroute-sync`).
+
+// The filter must never panic: a panic kills the VM and every request it would serve.
+#![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used, clippy::panic))]
+
+pub mod config;
+pub mod feed;
+pub mod hash;
+pub mod index;
+pub mod inflight;
+pub mod layout;
+pub mod router;
+pub mod score;
+pub mod slots;
+pub mod tokens;
+
+#[cfg(all(target_arch = "wasm32", feature = "filter"))]
+mod wasm;

@@ -1,0 +1,475 @@
+//! One routing decision, start to finish, over an abstract shared-data store.
+//!
+//! The filter glue implements [`SharedStore`] with proxy-wasm host calls; tests implement
+//! it with a map that has the host's compare-and-swap semantics. Everything else — token
+//! decoding, hashing, the bucket scan, scoring, in-flight accounting — happens here, with
+//! time and the tie-break seed passed in.
+
+use crate::config::{FilterConfig, Mode};
+use crate::hash::block_hashes_le;
+use crate::inflight::{self, ActiveDelta};
+use crate::layout::{
+    bucket_key, bucket_of, encode_bucket, segments, Bucket, FlyEntry, LoadVector, SlotState, WorkerTable, LOAD_KEY,
+    TABLE_KEY,
+};
+use crate::score::{rank, worker_key, Candidate, Scored};
+use crate::slots::{SlotSet, MAX_SLOTS};
+use crate::tokens::{decode_tokens, TokenEncoding, TokenError};
+use std::fmt::Write as _;
+
+/// A shared-data write that did not happen.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StoreError {
+    /// Someone else wrote the key since it was read: read again and redo.
+    CasMismatch,
+    Other(String),
+}
+
+/// Process-wide key/value data with compare-and-swap, as proxy-wasm shared data.
+/// `get` returns the value and its CAS token; `set` with `Some(cas)` fails with
+/// [`StoreError::CasMismatch`] if the key changed since.
+pub trait SharedStore {
+    fn get(&self, key: &str) -> Result<(Option<Vec<u8>>, Option<u32>), StoreError>;
+    fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError>;
+}
+
+/// Compare-and-swap attempts before an update is given up (and counted).
+const CAS_ATTEMPTS: u32 = 16;
+
+/// Why a request was not scored by KV cost. Each has a counter.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fallback {
+    /// No worker table (the sync service has never heard from the sidecar) or an
+    /// unreadable one: no destination is set and Envoy's fallback policy picks.
+    NoTable,
+    /// No worker is up (for this mode): no destination is set.
+    NoWorkerUp,
+    /// No token header: scored by load only.
+    NoTokens,
+    /// A token header that could not be decoded: scored by load only.
+    BadTokens,
+    /// The sidecar has not answered for `stale_after_ms`: scored by load only.
+    IndexStale,
+    /// The sidecar hashes with another block size: scored by load only.
+    BlockSizeMismatch,
+    /// PD mode without any prefill-capable worker up: decode worker only.
+    NoPrefillWorker,
+}
+
+impl Fallback {
+    pub const ALL: [Fallback; 7] = [
+        Fallback::NoTable,
+        Fallback::NoWorkerUp,
+        Fallback::NoTokens,
+        Fallback::BadTokens,
+        Fallback::IndexStale,
+        Fallback::BlockSizeMismatch,
+        Fallback::NoPrefillWorker,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Fallback::NoTable => "no_table",
+            Fallback::NoWorkerUp => "no_worker_up",
+            Fallback::NoTokens => "no_tokens",
+            Fallback::BadTokens => "bad_tokens",
+            Fallback::IndexStale => "index_stale",
+            Fallback::BlockSizeMismatch => "block_size_mismatch",
+            Fallback::NoPrefillWorker => "no_prefill_worker",
+        }
+    }
+}
+
+/// What a request holds in flight, released when its stream ends.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Held {
+    slots: Vec<u16>,
+    n_buckets: u32,
+    /// Block hashes of the request; `segments` index into it.
+    hashes: Vec<u64>,
+    /// Segments whose in-flight entries were written (all of them unless an update gave up).
+    segments: Vec<(usize, usize)>,
+}
+
+impl Held {
+    pub fn is_empty(&self) -> bool {
+        self.segments.is_empty()
+    }
+}
+
+/// The outcome of [`Router::route`].
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Decision {
+    /// Ranked `ip:port` list for the destination header; empty: set none.
+    pub destinations: Vec<String>,
+    /// PD mode: the prefill worker.
+    pub prefiller: Option<String>,
+    pub fallback: Option<Fallback>,
+    pub token_error: Option<TokenError>,
+    pub request_blocks: u32,
+    /// Cache hits of the chosen (decode or aggregated) worker.
+    pub hits: u32,
+    pub cost: f64,
+    pub held: Held,
+    /// Shared-data values that failed to decode (table, load or buckets).
+    pub layout_errors: u32,
+    /// Updates abandoned after [`CAS_ATTEMPTS`] conflicts or a store error.
+    pub update_failures: u32,
+    pub shared_reads: u32,
+}
+
+impl Decision {
+    /// `worker=…;hits=…;blocks=…;cost=…[;prefill=…]` for the debug response header.
+    pub fn debug_value(&self) -> String {
+        let mut s = String::new();
+        let worker = self.destinations.first().map(String::as_str).unwrap_or("-");
+        let _ = write!(s, "worker={worker};hits={};blocks={};cost={}", self.hits, self.request_blocks, self.cost);
+        if let Some(p) = &self.prefiller {
+            let _ = write!(s, ";prefill={p}");
+        }
+        if let Some(f) = self.fallback {
+            let _ = write!(s, ";fallback={}", f.name());
+        }
+        s
+    }
+}
+
+/// The token header of a request, as found.
+#[derive(Clone, Copy, Debug)]
+pub enum TokenSource<'a> {
+    Missing,
+    Header(&'a [u8], TokenEncoding),
+}
+
+/// Per-VM routing state: the configuration and scratch buffers reused across requests.
+pub struct Router {
+    cfg: FilterConfig,
+    token_bytes: Vec<u8>,
+    candidates: Vec<Candidate>,
+    scored: Vec<Scored>,
+}
+
+struct ScannedBucket {
+    key: String,
+    value: Option<Vec<u8>>,
+    cas: Option<u32>,
+}
+
+impl Router {
+    pub fn new(cfg: FilterConfig) -> Router {
+        Router { cfg, token_bytes: Vec::new(), candidates: Vec::new(), scored: Vec::new() }
+    }
+
+    pub fn config(&self) -> &FilterConfig {
+        &self.cfg
+    }
+
+    /// Decides where a request goes and records its blocks as in flight there.
+    /// `now_ms`: wall-clock milliseconds; `entropy`: a random number, used only to break
+    /// ties for requests without blocks.
+    pub fn route(&mut self, store: &dyn SharedStore, tokens: TokenSource<'_>, now_ms: u64, entropy: u64) -> Decision {
+        let mut d = Decision::default();
+        d.shared_reads += 1;
+        let table = match store.get(TABLE_KEY) {
+            Ok((Some(v), _)) if !v.is_empty() => match WorkerTable::decode(&v) {
+                Ok(t) => t,
+                Err(_) => {
+                    d.layout_errors += 1;
+                    d.fallback = Some(Fallback::NoTable);
+                    return d;
+                }
+            },
+            _ => {
+                d.fallback = Some(Fallback::NoTable);
+                return d;
+            }
+        };
+
+        // Hash the prompt (or say why not).
+        let mut hashes = Vec::new();
+        match tokens {
+            TokenSource::Missing => d.fallback = Some(Fallback::NoTokens),
+            TokenSource::Header(value, enc) => {
+                match decode_tokens(value, enc, self.cfg.max_tokens, &mut self.token_bytes) {
+                    Ok(_) => block_hashes_le(&self.token_bytes, self.cfg.block_size, &mut hashes),
+                    Err(e) => {
+                        d.token_error = Some(e);
+                        d.fallback = Some(Fallback::BadTokens);
+                    }
+                }
+            }
+        }
+        if !hashes.is_empty() && table.block_size as usize != self.cfg.block_size {
+            d.fallback = Some(Fallback::BlockSizeMismatch);
+            hashes.clear();
+        }
+        d.request_blocks = hashes.len() as u32;
+        let use_index = table.index_live;
+        if !hashes.is_empty() && !use_index {
+            d.fallback = Some(Fallback::IndexStale);
+        }
+
+        d.shared_reads += 1;
+        let load = match store.get(LOAD_KEY) {
+            Ok((Some(v), _)) => LoadVector::decode(&v),
+            _ => LoadVector::default(),
+        };
+
+        let up = |role_ok: fn(crate::layout::Role) -> bool| -> SlotSet {
+            let mut s = SlotSet::EMPTY;
+            for (slot, w) in table.slots.iter().enumerate().take(MAX_SLOTS) {
+                if w.state == SlotState::Up && role_ok(w.role) {
+                    s.insert(slot);
+                }
+            }
+            s
+        };
+        let (decode_set, prefill_set) = match self.cfg.mode {
+            Mode::Aggregated => (up(|r| r == crate::layout::Role::Both), SlotSet::EMPTY),
+            Mode::Pd => (up(|r| r.can_decode()), up(|r| r.can_prefill())),
+        };
+        if decode_set.is_empty() {
+            d.fallback = Some(Fallback::NoWorkerUp);
+            return d;
+        }
+
+        // Scan segment buckets: hits[slot] = leading blocks held.
+        let mut hits = vec![0u32; table.slots.len()];
+        let mut scanned: Vec<ScannedBucket> = Vec::new();
+        if !hashes.is_empty() {
+            // With a stale index nothing is a hit (load only); in-flight entries are still
+            // written below, so active_blocks stays exact.
+            let mut alive = SlotSet::EMPTY;
+            if use_index {
+                alive = decode_set;
+                for s in prefill_set.iter() {
+                    alive.insert(s);
+                }
+            }
+            for seg in segments(hashes.len()) {
+                if alive.is_empty() {
+                    break;
+                }
+                let key = bucket_key(bucket_of(hashes[seg.start], table.n_buckets));
+                d.shared_reads += 1;
+                let (value, cas) = store.get(&key).unwrap_or((None, None));
+                let bucket = match value.as_deref().map(Bucket::parse).unwrap_or(Ok(Bucket::EMPTY)) {
+                    Ok(b) => b,
+                    Err(_) => {
+                        d.layout_errors += 1;
+                        Bucket::EMPTY
+                    }
+                };
+                for pos in seg.clone() {
+                    let mut holders = SlotSet::EMPTY;
+                    bucket.holders(hashes[pos], now_ms, self.cfg.predict_on_route, &mut holders);
+                    let still = alive.intersection(&holders);
+                    for slot in alive.difference(&still).iter() {
+                        if let Some(h) = hits.get_mut(slot) {
+                            *h = pos as u32;
+                        }
+                    }
+                    alive = still;
+                    if alive.is_empty() {
+                        break;
+                    }
+                }
+                scanned.push(ScannedBucket { key, value, cas });
+            }
+            for slot in alive.iter() {
+                if let Some(h) = hits.get_mut(slot) {
+                    *h = hashes.len() as u32;
+                }
+            }
+        }
+
+        let request_key = hashes.first().copied().unwrap_or(entropy);
+        let mut chosen: Vec<u16> = Vec::with_capacity(2);
+
+        if self.cfg.mode == Mode::Pd {
+            if prefill_set.is_empty() {
+                d.fallback.get_or_insert(Fallback::NoPrefillWorker);
+            } else {
+                self.fill_candidates(&table, &prefill_set, &hits, &load);
+                rank(
+                    &self.candidates,
+                    self.cfg.prefill_overlap_weight,
+                    d.request_blocks,
+                    request_key,
+                    &mut self.scored,
+                );
+                if let Some(best) = self.scored.first() {
+                    let slot = best.candidate.slot;
+                    d.prefiller = Some(table.slots[slot].id.clone());
+                    chosen.push(slot as u16);
+                }
+            }
+        }
+        let weight = match self.cfg.mode {
+            Mode::Aggregated => self.cfg.overlap_weight,
+            Mode::Pd => self.cfg.decode_overlap_weight,
+        };
+        self.fill_candidates(&table, &decode_set, &hits, &load);
+        rank(&self.candidates, weight, d.request_blocks, request_key, &mut self.scored);
+        for s in self.scored.iter().take(self.cfg.max_endpoints) {
+            d.destinations.push(table.slots[s.candidate.slot].id.clone());
+        }
+        if let Some(best) = self.scored.first() {
+            d.hits = best.candidate.cache_hits;
+            d.cost = best.cost;
+            let slot = best.candidate.slot as u16;
+            if !chosen.contains(&slot) {
+                chosen.push(slot);
+            }
+        }
+
+        if !hashes.is_empty() {
+            d.held = Held { slots: chosen, n_buckets: table.n_buckets, hashes, segments: Vec::new() };
+            self.acquire(store, &mut d, scanned, now_ms);
+        }
+        d
+    }
+
+    fn fill_candidates(&mut self, table: &WorkerTable, set: &SlotSet, hits: &[u32], load: &LoadVector) {
+        self.candidates.clear();
+        for slot in set.iter() {
+            self.candidates.push(Candidate {
+                slot,
+                cache_hits: hits.get(slot).copied().unwrap_or(0),
+                active_blocks: load.get(slot),
+                worker_key: worker_key(&table.slots[slot].id),
+            });
+        }
+    }
+
+    fn acquire(&self, store: &dyn SharedStore, d: &mut Decision, mut scanned: Vec<ScannedBucket>, now_ms: u64) {
+        let lease = self.cfg.inflight_lease_ms;
+        let mut delta = ActiveDelta::default();
+        let held = &mut d.held;
+        let mut scanned_iter = scanned.drain(..);
+        for seg in segments(held.hashes.len()) {
+            let hashes = &held.hashes[seg.clone()];
+            let key;
+            let mut first_read = None;
+            match scanned_iter.next() {
+                Some(b) => {
+                    key = b.key;
+                    first_read = Some((b.value, b.cas));
+                }
+                None => key = bucket_key(bucket_of(held.hashes[seg.start], held.n_buckets)),
+            }
+            let slots = held.slots.clone();
+            let outcome = update_bucket(store, &key, first_read, now_ms, &mut d.shared_reads, |fly| {
+                slots.iter().map(|&s| (s, inflight::acquire(fly, hashes, s, now_ms, lease))).collect()
+            });
+            match outcome {
+                Ok(seg_delta) => {
+                    delta.merge(&seg_delta);
+                    held.segments.push((seg.start, seg.end));
+                }
+                Err(layout) => {
+                    d.update_failures += 1;
+                    d.layout_errors += u32::from(layout);
+                }
+            }
+        }
+        if !update_load(store, &delta, &mut d.shared_reads) {
+            d.update_failures += 1;
+        }
+    }
+
+    /// Releases what a finished stream held: in-flight blocks become predictions (or go,
+    /// with predict-on-route off). Returns the number of updates that failed.
+    pub fn release(&self, store: &dyn SharedStore, held: &Held, now_ms: u64) -> u32 {
+        let linger = if self.cfg.predict_on_route { self.cfg.prediction_ttl_ms } else { 0 };
+        let mut failures = 0;
+        let mut delta = ActiveDelta::default();
+        let mut reads = 0;
+        for &(start, end) in &held.segments {
+            let hashes = &held.hashes[start..end];
+            let key = bucket_key(bucket_of(held.hashes[start], held.n_buckets));
+            let slots = &held.slots;
+            match update_bucket(store, &key, None, now_ms, &mut reads, |fly| {
+                slots.iter().map(|&s| (s, -inflight::release(fly, hashes, s, now_ms, linger))).collect()
+            }) {
+                Ok(seg_delta) => delta.merge(&seg_delta),
+                Err(_) => failures += 1,
+            }
+        }
+        if !update_load(store, &delta, &mut reads) {
+            failures += 1;
+        }
+        failures
+    }
+}
+
+/// Read-modify-write of one bucket's in-flight part with compare-and-swap; garbage is
+/// collected on the way. `edit` returns the per-slot active change it made. The first read
+/// may be supplied from an earlier scan. Err(true) when the bucket could not be decoded.
+fn update_bucket(
+    store: &dyn SharedStore,
+    key: &str,
+    mut first_read: Option<(Option<Vec<u8>>, Option<u32>)>,
+    now_ms: u64,
+    reads: &mut u32,
+    mut edit: impl FnMut(&mut Vec<FlyEntry>) -> Vec<(u16, i64)>,
+) -> Result<ActiveDelta, bool> {
+    for _ in 0..CAS_ATTEMPTS {
+        let (value, cas) = match first_read.take() {
+            Some(r) => r,
+            None => {
+                *reads += 1;
+                store.get(key).map_err(|_| false)?
+            }
+        };
+        let value = value.unwrap_or_default();
+        let bucket = Bucket::parse(&value).map_err(|_| true)?;
+        let mut fly: Vec<FlyEntry> = bucket.fly_entries().collect();
+        let mut delta = inflight::collect_garbage(&mut fly, now_ms, |h| {
+            let mut s = SlotSet::EMPTY;
+            if let Some(m) = bucket.idx_mask(h) {
+                s.union_le_words(m);
+            }
+            s
+        });
+        for (slot, d) in edit(&mut fly) {
+            delta.add(usize::from(slot), d);
+        }
+        let (mw, n_idx, idx_raw) = bucket.idx_raw();
+        let out = encode_bucket(mw, n_idx, idx_raw, &fly);
+        if out == value {
+            return Ok(delta);
+        }
+        // The host treats CAS 0 as "unconditional". Keys exist from the sync service's
+        // start (it creates every bucket and the load key empty), so 0 only happens
+        // before that, when no table exists and nothing is routed yet.
+        match store.set(key, &out, Some(cas.unwrap_or(0))) {
+            Ok(()) => return Ok(delta),
+            Err(StoreError::CasMismatch) => continue,
+            Err(StoreError::Other(_)) => return Err(false),
+        }
+    }
+    Err(false)
+}
+
+/// Applies per-slot active-block changes to the load vector with compare-and-swap.
+fn update_load(store: &dyn SharedStore, delta: &ActiveDelta, reads: &mut u32) -> bool {
+    if delta.is_zero() {
+        return true;
+    }
+    for _ in 0..CAS_ATTEMPTS {
+        *reads += 1;
+        let Ok((value, cas)) = store.get(LOAD_KEY) else { return false };
+        let mut load = LoadVector::decode(value.as_deref().unwrap_or(&[]));
+        load.apply(&delta.0);
+        match store.set(LOAD_KEY, &load.encode(), Some(cas.unwrap_or(0))) {
+            Ok(()) => return true,
+            Err(StoreError::CasMismatch) => continue,
+            Err(StoreError::Other(_)) => return false,
+        }
+    }
+    false
+}
+
+#[cfg(test)]
+pub(crate) mod tests;

@@ -1,0 +1,350 @@
+//! Router tests over an in-memory store with the host's compare-and-swap semantics.
+
+use super::*;
+use crate::config::FilterConfig;
+use crate::feed::{FeedBlock, FeedWorker, Frame, FrameKind, Op};
+use crate::hash::block_hashes;
+use crate::index::SyncIndex;
+use crate::layout::{anchor_position, Role};
+use crate::tokens::encode_base64;
+use std::cell::RefCell;
+use std::collections::HashMap;
+#[cfg(target_arch = "wasm32")]
+use wasm_bindgen_test::wasm_bindgen_test as test;
+
+/// proxy-wasm-cpp-host's shared data: CAS 0 is unconditional, every write bumps the token.
+#[derive(Default)]
+pub(crate) struct MemStore {
+    map: RefCell<HashMap<String, (Vec<u8>, u32)>>,
+    next_cas: RefCell<u32>,
+}
+
+impl SharedStore for MemStore {
+    fn get(&self, key: &str) -> Result<(Option<Vec<u8>>, Option<u32>), StoreError> {
+        Ok(match self.map.borrow().get(key) {
+            Some((v, c)) => (Some(v.clone()), Some(*c)),
+            None => (None, None),
+        })
+    }
+    fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
+        let mut map = self.map.borrow_mut();
+        if let (Some(c), Some((_, cur))) = (cas, map.get(key)) {
+            if c != 0 && c != *cur {
+                return Err(StoreError::CasMismatch);
+            }
+        }
+        let mut n = self.next_cas.borrow_mut();
+        *n += 1;
+        map.insert(key.to_string(), (value.to_vec(), *n));
+        Ok(())
+    }
+}
+
+/// What the sync service does, in miniature: apply a frame, write table and buckets.
+pub(crate) fn sync_write(store: &MemStore, ix: &mut SyncIndex, frame: &Frame) {
+    ix.apply(frame).unwrap();
+    ix.set_live(true);
+    for b in ix.take_dirty() {
+        let key = bucket_key(b);
+        let (cur, _) = store.get(&key).unwrap();
+        let cur = cur.unwrap_or_default();
+        let fly: Vec<FlyEntry> = Bucket::parse(&cur).unwrap().fly_entries().collect();
+        let (mw, n, raw) = ix.encode_idx(b);
+        store.set(&key, &encode_bucket(mw, n, &raw, &fly), None).unwrap();
+    }
+    if let Some(t) = ix.take_table() {
+        store.set(TABLE_KEY, &t.encode(), None).unwrap();
+    }
+}
+
+fn feed_blocks(tokens: &[u32]) -> Vec<FeedBlock> {
+    let h = block_hashes(tokens, 16);
+    (0..h.len()).map(|i| FeedBlock { hash: h[i], anchor: h[anchor_position(i)] }).collect()
+}
+
+fn workers(n: usize) -> Vec<FeedWorker> {
+    (0..n).map(|i| FeedWorker { id: format!("10.0.0.{i}:8000"), role: Role::Both, up: true }).collect()
+}
+
+fn fleet(n: usize, ops: Vec<Op>) -> (MemStore, SyncIndex) {
+    let store = MemStore::default();
+    let mut ix = SyncIndex::new(256);
+    let f = Frame {
+        kind: FrameKind::SnapshotStart,
+        epoch: 1,
+        from_version: 0,
+        to_version: 1,
+        next_cursor: 0,
+        block_size: 16,
+        workers: workers(n),
+        ops,
+    };
+    sync_write(&store, &mut ix, &f);
+    (store, ix)
+}
+
+fn prompt(prefix: u32, len: usize) -> Vec<u32> {
+    (0..len as u32).map(|i| prefix * 100_000 + i).collect()
+}
+
+fn route(r: &mut Router, store: &MemStore, tokens: &[u32], now: u64) -> Decision {
+    let b64 = encode_base64(tokens);
+    r.route(store, TokenSource::Header(b64.as_bytes(), TokenEncoding::Base64LeU32), now, 0)
+}
+
+fn load(store: &MemStore) -> LoadVector {
+    LoadVector::decode(&store.get(LOAD_KEY).unwrap().0.unwrap_or_default())
+}
+
+fn cfg(json: &str) -> FilterConfig {
+    FilterConfig::from_json(json.as_bytes()).unwrap()
+}
+
+#[test]
+fn routes_to_the_worker_holding_the_prefix() {
+    let p = prompt(1, 160); // 10 blocks
+    let (store, _) = fleet(4, vec![Op::Store { worker: 2, blocks: feed_blocks(&p[..128]) }]);
+    let mut r = Router::new(cfg("{}"));
+    let d = route(&mut r, &store, &p, 0);
+    assert_eq!(d.destinations[0], "10.0.0.2:8000");
+    assert_eq!((d.hits, d.request_blocks, d.cost), (8, 10, 2.0));
+    assert_eq!(d.destinations.len(), 3);
+    assert_eq!(d.fallback, None);
+    // Its blocks are now in flight on worker 2.
+    assert_eq!(load(&store).get(2), 10);
+    assert!(r.release(&store, &d.held, 10) == 0);
+    assert_eq!(load(&store).get(2), 0);
+}
+
+#[test]
+fn seed_worked_example_through_the_store() {
+    // W0 caches 8 of the 10 blocks and has 6 active; W1 is cold with 1 active. W0: 8, W1: 11.
+    let p = prompt(1, 160);
+    let (store, _) = fleet(2, vec![Op::Store { worker: 0, blocks: feed_blocks(&p[..128]) }]);
+    let mut r = Router::new(cfg("{}"));
+    store.set(LOAD_KEY, &LoadVector(vec![6, 1]).encode(), None).unwrap();
+    let d = route(&mut r, &store, &p, 0);
+    assert_eq!((d.destinations[0].as_str(), d.cost), ("10.0.0.0:8000", 8.0));
+    r.release(&store, &d.held, 1);
+    // At weight 0 only load counts: W1 (1 active) wins.
+    let mut r0 = Router::new(cfg(r#"{"overlap_weight": 0}"#));
+    store.set(LOAD_KEY, &LoadVector(vec![6, 1]).encode(), None).unwrap();
+    let d = route(&mut r0, &store, &p, 100_000);
+    assert_eq!((d.destinations[0].as_str(), d.cost), ("10.0.0.1:8000", 1.0));
+}
+
+#[test]
+fn hits_are_leading_consecutive_blocks() {
+    let p = prompt(1, 64 * 16);
+    // Worker 0 holds blocks 0..10 and 12..40 (a hole at 10, 11): only 10 count.
+    let b = feed_blocks(&p);
+    let mut held: Vec<FeedBlock> = b[..10].to_vec();
+    held.extend_from_slice(&b[12..40]);
+    let (store, _) =
+        fleet(2, vec![Op::Store { worker: 0, blocks: held }, Op::Store { worker: 1, blocks: b[..40].to_vec() }]);
+    let mut r = Router::new(cfg(r#"{"predict_on_route": false}"#));
+    let d = route(&mut r, &store, &p, 0);
+    assert_eq!((d.destinations[0].as_str(), d.hits), ("10.0.0.1:8000", 40));
+    r.release(&store, &d.held, 1);
+    let d2 = route(&mut r, &store, &p[..16 * 11], 0);
+    assert_eq!(d2.hits, 11, "worker 1 holds all 11 blocks");
+}
+
+#[test]
+fn burst_before_any_event_lands_on_one_worker() {
+    // At weight 1 a prefix in flight on a worker weighs exactly as much (as load) as
+    // recomputing it elsewhere, so bursts spread one copy per worker by design; above 1
+    // locality wins, if the router can see the prefix before the engine's events arrive.
+    let (store, _) = fleet(8, vec![]);
+    let mut r = Router::new(cfg(r#"{"overlap_weight": 4}"#));
+    let mut chosen = std::collections::BTreeSet::new();
+    let mut held = Vec::new();
+    for i in 0..20 {
+        // Same 30-block prefix, different 2-block tails.
+        let mut p = prompt(7, 30 * 16);
+        p.extend(prompt(1000 + i, 32));
+        let d = route(&mut r, &store, &p, i as u64);
+        chosen.insert(d.destinations[0].clone());
+        held.push(d.held);
+    }
+    assert_eq!(chosen.len(), 1, "{chosen:?}");
+    // Without prediction the same burst spreads by load.
+    let (store, _) = fleet(8, vec![]);
+    let mut r = Router::new(cfg(r#"{"overlap_weight": 4, "predict_on_route": false}"#));
+    let mut chosen = std::collections::BTreeSet::new();
+    for i in 0..20 {
+        let mut p = prompt(7, 30 * 16);
+        p.extend(prompt(1000 + i, 32));
+        chosen.insert(route(&mut r, &store, &p, i as u64).destinations[0].clone());
+    }
+    assert!(chosen.len() > 4, "{chosen:?}");
+}
+
+#[test]
+fn active_blocks_count_shared_prefixes_once_and_return_to_zero() {
+    let (store, _) = fleet(1, vec![]);
+    let mut r = Router::new(cfg("{}"));
+    let a = prompt(1, 40 * 16);
+    let mut b = a[..30 * 16].to_vec();
+    b.extend(prompt(2, 10 * 16));
+    let da = route(&mut r, &store, &a, 0);
+    let db = route(&mut r, &store, &b, 0);
+    assert_eq!(load(&store).get(0), 50, "30 shared + 10 + 10");
+    r.release(&store, &da.held, 5);
+    assert_eq!(load(&store).get(0), 40);
+    r.release(&store, &db.held, 6);
+    assert_eq!(load(&store).get(0), 0);
+    // The released blocks linger as predictions, then expire and are collected.
+    let d = route(&mut r, &store, &a, 10);
+    assert_eq!(d.hits, 40, "prediction counts as a hit");
+    r.release(&store, &d.held, 11);
+    let late = route(&mut r, &store, &a, 1_000_000);
+    assert_eq!(late.hits, 0, "prediction expired");
+}
+
+#[test]
+fn pd_mode_picks_prefill_and_decode_by_their_weights() {
+    let p = prompt(3, 320); // 20 blocks
+    let store = MemStore::default();
+    let mut ix = SyncIndex::new(256);
+    let ws = vec![
+        FeedWorker { id: "10.0.1.1:8000".into(), role: Role::Prefill, up: true },
+        FeedWorker { id: "10.0.1.2:8000".into(), role: Role::Prefill, up: true },
+        FeedWorker { id: "10.0.2.1:8000".into(), role: Role::Decode, up: true },
+        FeedWorker { id: "10.0.2.2:8000".into(), role: Role::Decode, up: true },
+    ];
+    let f = Frame {
+        kind: FrameKind::SnapshotStart,
+        epoch: 1,
+        from_version: 0,
+        to_version: 1,
+        next_cursor: 0,
+        block_size: 16,
+        workers: ws,
+        ops: vec![Op::Store { worker: 1, blocks: feed_blocks(&p) }, Op::Store { worker: 3, blocks: feed_blocks(&p) }],
+    };
+    sync_write(&store, &mut ix, &f);
+    // Decode worker 3 (slot 3) holds the prefix but is busy; decode weight 0.1 → load wins.
+    store.set(LOAD_KEY, &LoadVector(vec![0, 5, 0, 10]).encode(), None).unwrap();
+    let mut r = Router::new(cfg(r#"{"mode": "pd", "prefill_overlap_weight": 20, "decode_overlap_weight": 0.1}"#));
+    let d = route(&mut r, &store, &p, 0);
+    assert_eq!(d.prefiller.as_deref(), Some("10.0.1.2:8000"));
+    assert_eq!(d.destinations[0], "10.0.2.1:8000");
+    assert_eq!(d.destinations.len(), 2, "only decode-capable workers are destinations");
+    // In flight on both chosen workers.
+    let l = load(&store);
+    assert_eq!((l.get(1), l.get(2)), (5 + 20, 20));
+    r.release(&store, &d.held, 1);
+    assert_eq!(load(&store).0, vec![0, 5, 0, 10]);
+}
+
+#[test]
+fn down_workers_are_never_chosen() {
+    let p = prompt(1, 160);
+    let store = MemStore::default();
+    let mut ix = SyncIndex::new(256);
+    let mut ws = workers(3);
+    ws[0].up = false;
+    let f = Frame {
+        kind: FrameKind::SnapshotStart,
+        epoch: 1,
+        from_version: 0,
+        to_version: 1,
+        next_cursor: 0,
+        block_size: 16,
+        workers: ws,
+        ops: vec![Op::Store { worker: 0, blocks: feed_blocks(&p) }],
+    };
+    sync_write(&store, &mut ix, &f);
+    let mut r = Router::new(cfg(r#"{"max_endpoints": 16}"#));
+    let d = route(&mut r, &store, &p, 0);
+    assert!(!d.destinations.iter().any(|w| w == "10.0.0.0:8000"), "{:?}", d.destinations);
+    assert_eq!(d.destinations.len(), 2);
+}
+
+#[test]
+fn fallbacks() {
+    let mut r = Router::new(cfg("{}"));
+    let empty = MemStore::default();
+    let d = r.route(&empty, TokenSource::Missing, 0, 0);
+    assert_eq!((d.fallback, d.destinations.len()), (Some(Fallback::NoTable), 0));
+
+    let (store, mut ix) = fleet(3, vec![]);
+    let d = r.route(&store, TokenSource::Missing, 0, 1);
+    assert_eq!(d.fallback, Some(Fallback::NoTokens));
+    assert_eq!(d.destinations.len(), 3, "routed by load");
+    assert!(d.held.is_empty());
+
+    let d = r.route(&store, TokenSource::Header(b"1,2,x", TokenEncoding::Decimal), 0, 1);
+    assert_eq!(d.fallback, Some(Fallback::BadTokens));
+    assert_eq!(d.token_error.as_ref().map(TokenError::reason), Some("malformed"));
+    assert_eq!(d.destinations.len(), 3);
+
+    let mut small = Router::new(cfg(r#"{"max_tokens": 10}"#));
+    let d = route(&mut small, &store, &prompt(1, 11), 0);
+    assert_eq!(d.token_error, Some(TokenError::TooMany { max: 10 }));
+
+    let mut r8 = Router::new(cfg(r#"{"block_size": 8}"#));
+    let d = route(&mut r8, &store, &prompt(1, 64), 0);
+    assert_eq!(d.fallback, Some(Fallback::BlockSizeMismatch));
+    assert_eq!(d.destinations.len(), 3);
+
+    // Stale index: load only, but in-flight accounting continues.
+    ix.set_live(false);
+    store.set(TABLE_KEY, &ix.table().encode(), None).unwrap();
+    let d = route(&mut r, &store, &prompt(1, 64), 0);
+    assert_eq!((d.fallback, d.hits), (Some(Fallback::IndexStale), 0));
+    assert!(!d.held.is_empty());
+
+    // Garbage in the table or a bucket: counted, never a panic.
+    store.set(TABLE_KEY, b"garbage", None).unwrap();
+    let d = route(&mut r, &store, &prompt(1, 64), 0);
+    assert_eq!((d.fallback, d.layout_errors), (Some(Fallback::NoTable), 1));
+}
+
+#[test]
+fn corrupt_bucket_is_counted_and_routing_continues() {
+    let p = prompt(1, 64);
+    let (store, _) = fleet(2, vec![]);
+    let h = block_hashes(&p, 16);
+    store.set(&bucket_key(bucket_of(h[0], 256)), b"\x01\x00junk", None).unwrap();
+    let mut r = Router::new(cfg("{}"));
+    let d = route(&mut r, &store, &p, 0);
+    assert_eq!(d.destinations.len(), 2);
+    assert!(d.layout_errors >= 1);
+    assert!(d.update_failures >= 1, "cannot record in-flight blocks in a corrupt bucket");
+}
+
+#[test]
+fn concurrent_updates_interleave_exactly() {
+    // Two routers (two Envoy worker threads) interleave acquire/release on one store.
+    let (store, _) = fleet(2, vec![]);
+    let mut a = Router::new(cfg("{}"));
+    let mut b = Router::new(cfg("{}"));
+    let mut held = Vec::new();
+    for i in 0..50u32 {
+        let p = prompt(i % 5, 48 + (i as usize % 3) * 16);
+        let r = if i % 2 == 0 { &mut a } else { &mut b };
+        held.push(route(r, &store, &p, u64::from(i)));
+        if i % 3 == 0 {
+            let d = held.remove(0);
+            a.release(&store, &d.held, u64::from(i));
+        }
+    }
+    for d in held {
+        b.release(&store, &d.held, 100);
+    }
+    assert!(load(&store).0.iter().all(|v| *v == 0), "{:?}", load(&store));
+}
+
+#[test]
+fn decimal_and_base64_route_the_same() {
+    let p = prompt(4, 100);
+    let (store, _) = fleet(4, vec![Op::Store { worker: 1, blocks: feed_blocks(&p) }]);
+    let mut r = Router::new(cfg(r#"{"predict_on_route": false}"#));
+    let dec = crate::tokens::encode_decimal(&p);
+    let d1 = r.route(&store, TokenSource::Header(dec.as_bytes(), TokenEncoding::Decimal), 0, 0);
+    let d2 = route(&mut r, &store, &p, 0);
+    assert_eq!(d1.destinations, d2.destinations);
+    assert_eq!(d1.hits, 6);
+}

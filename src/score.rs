@@ -1,0 +1,124 @@
+//! The cost function and the ranking of workers.
+//!
+//! ```text
+//! cost(w) = overlap_weight × (request_blocks − cache_hits(w)) + active_blocks(w)
+//! ```
+//!
+//! `cache_hits(w)` is the number of *leading consecutive* request blocks `w` holds (an
+//! engine's prefix cache stops at the first miss); `active_blocks(w)` is the number of
+//! distinct in-flight prompt blocks on `w`. Lowest cost wins.
+//!
+//! Ties, in order: more cache hits (a tie between locality and load goes to locality,
+//! which is cheaper in prefill), then the lowest rendezvous hash of (request key, worker)
+//! — deterministic for a given request, and spread evenly over workers across requests,
+//! so equal-cost cold requests do not all pile onto the first worker in the table.
+
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+/// One worker's inputs to the cost function.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Candidate {
+    pub slot: usize,
+    pub cache_hits: u32,
+    pub active_blocks: u32,
+    /// Stable hash of the worker's id, for tie-breaking (see [`worker_key`]).
+    pub worker_key: u64,
+}
+
+/// A candidate with its cost.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Scored {
+    pub candidate: Candidate,
+    pub cost: f64,
+    tiebreak: u64,
+}
+
+/// The seed's cost function.
+#[inline]
+pub fn cost(overlap_weight: f64, request_blocks: u32, cache_hits: u32, active_blocks: u32) -> f64 {
+    let miss = request_blocks.saturating_sub(cache_hits);
+    overlap_weight * f64::from(miss) + f64::from(active_blocks)
+}
+
+/// Stable key of a worker id for tie-breaking.
+pub fn worker_key(id: &str) -> u64 {
+    xxh3_64_with_seed(id.as_bytes(), 0)
+}
+
+/// Scores and sorts `candidates` best first into `out` (cleared first).
+/// `request_key` identifies the request for tie-breaking: its first block's hash, so
+/// requests with the same start agree, or a caller-supplied random number for requests
+/// without blocks.
+pub fn rank(
+    candidates: &[Candidate],
+    overlap_weight: f64,
+    request_blocks: u32,
+    request_key: u64,
+    out: &mut Vec<Scored>,
+) {
+    out.clear();
+    out.extend(candidates.iter().map(|c| Scored {
+        candidate: *c,
+        cost: cost(overlap_weight, request_blocks, c.cache_hits, c.active_blocks),
+        tiebreak: crate::hash::chain_hash(request_key, c.worker_key),
+    }));
+    out.sort_by(|a, b| {
+        a.cost
+            .total_cmp(&b.cost)
+            .then(b.candidate.cache_hits.cmp(&a.candidate.cache_hits))
+            .then(a.tiebreak.cmp(&b.tiebreak))
+            .then(a.candidate.slot.cmp(&b.candidate.slot))
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    fn cand(slot: usize, hits: u32, active: u32) -> Candidate {
+        Candidate { slot, cache_hits: hits, active_blocks: active, worker_key: worker_key(&slot.to_string()) }
+    }
+
+    /// The seed's worked example: a 10-block prompt, weight 1.0.
+    #[test]
+    fn seed_worked_example() {
+        let w0 = cand(0, 8, 6);
+        let w1 = cand(1, 0, 1);
+        assert_eq!(cost(1.0, 10, 8, 6), 8.0);
+        assert_eq!(cost(1.0, 10, 0, 1), 11.0);
+        let mut out = Vec::new();
+        rank(&[w1, w0], 1.0, 10, 0, &mut out);
+        assert_eq!(out[0].candidate.slot, 0);
+        assert_eq!((out[0].cost, out[1].cost), (8.0, 11.0));
+        // Raise the weight and W0 wins by more.
+        rank(&[w1, w0], 2.0, 10, 0, &mut out);
+        assert_eq!((out[0].cost, out[1].cost), (10.0, 21.0));
+        // At 0 only active_blocks counts: W1 (1) beats W0 (6).
+        rank(&[w1, w0], 0.0, 10, 0, &mut out);
+        assert_eq!(out[0].candidate.slot, 1);
+        assert_eq!((out[0].cost, out[1].cost), (1.0, 6.0));
+    }
+
+    #[test]
+    fn ties_prefer_hits_then_are_stable_and_spread() {
+        // Equal cost: 1×(10−4)+2 = 8 = 1×(10−2)+0; the one with more hits wins.
+        let mut out = Vec::new();
+        rank(&[cand(0, 2, 0), cand(1, 4, 2)], 1.0, 10, 0, &mut out);
+        assert_eq!(out[0].candidate.slot, 1);
+        // Fully equal: the winner depends only on the request key, and varies with it.
+        let all: Vec<_> = (0..8).map(|s| cand(s, 0, 0)).collect();
+        let mut winners = std::collections::BTreeSet::new();
+        for key in 0..200u64 {
+            rank(&all, 1.0, 10, key, &mut out);
+            let first = out[0].candidate.slot;
+            let mut rev = all.clone();
+            rev.reverse();
+            rank(&rev, 1.0, 10, key, &mut out);
+            assert_eq!(out[0].candidate.slot, first, "order of candidates must not matter");
+            winners.insert(first);
+        }
+        assert_eq!(winners.len(), 8, "ties spread over every worker");
+    }
+}

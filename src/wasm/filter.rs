@@ -1,0 +1,202 @@
+//! The HTTP filter: per request, route by KV cost and release in-flight blocks at the end.
+
+use super::host::{self, HostStore, Metric};
+use crate::config::FilterConfig;
+use crate::router::{Decision, Fallback, Held, Router, TokenSource};
+use crate::tokens::TokenEncoding;
+use proxy_wasm::traits::{Context, HttpContext};
+use proxy_wasm::types::Action;
+use std::cell::{Cell, RefCell};
+use std::rc::Rc;
+
+/// Envoy stats (`wasmcustom.kvroute.*`), defined once per VM.
+struct Metrics {
+    requests: Metric,
+    scored: Metric,
+    fallback: Vec<(Fallback, Metric)>,
+    token_errors: Vec<(&'static str, Metric)>,
+    blocks_requested: Metric,
+    blocks_hit: Metric,
+    layout_errors: Metric,
+    update_failures: Metric,
+    shared_reads: Metric,
+}
+
+impl Metrics {
+    fn define() -> Metrics {
+        Metrics {
+            requests: Metric::counter("kvroute.requests"),
+            scored: Metric::counter("kvroute.scored"),
+            fallback: Fallback::ALL
+                .iter()
+                .map(|f| (*f, Metric::counter(&format!("kvroute.fallback.{}", f.name()))))
+                .collect(),
+            token_errors: ["empty", "too_many", "malformed", "out_of_range", "partial_token"]
+                .iter()
+                .map(|r| (*r, Metric::counter(&format!("kvroute.token_errors.{r}"))))
+                .collect(),
+            blocks_requested: Metric::counter("kvroute.blocks_requested"),
+            blocks_hit: Metric::counter("kvroute.blocks_hit"),
+            layout_errors: Metric::counter("kvroute.layout_errors"),
+            update_failures: Metric::counter("kvroute.update_failures"),
+            shared_reads: Metric::counter("kvroute.shared_reads"),
+        }
+    }
+
+    fn record(&self, d: &Decision) {
+        self.requests.inc();
+        match d.fallback {
+            None => self.scored.inc(),
+            Some(f) => {
+                if let Some((_, m)) = self.fallback.iter().find(|(k, _)| *k == f) {
+                    m.inc();
+                }
+            }
+        }
+        if let Some(e) = &d.token_error {
+            if let Some((_, m)) = self.token_errors.iter().find(|(k, _)| *k == e.reason()) {
+                m.inc();
+            }
+        }
+        self.blocks_requested.add(u64::from(d.request_blocks));
+        self.blocks_hit.add(u64::from(d.hits));
+        self.layout_errors.add(u64::from(d.layout_errors));
+        self.update_failures.add(u64::from(d.update_failures));
+        self.shared_reads.add(u64::from(d.shared_reads));
+    }
+}
+
+/// State shared by the streams of one VM (one Envoy worker thread: no locking needed).
+struct Shared {
+    cfg: FilterConfig,
+    router: RefCell<Router>,
+    metrics: Metrics,
+    /// xorshift state for tie-breaking requests without blocks.
+    entropy: Cell<u64>,
+}
+
+pub struct FilterRoot {
+    shared: Rc<Shared>,
+}
+
+impl FilterRoot {
+    pub fn configure(config: &[u8]) -> Option<FilterRoot> {
+        match FilterConfig::from_json(config) {
+            Ok(cfg) => {
+                log::info!(
+                    "kvroute: filter configured: mode {:?}, block_size {}, overlap_weight {}, predict_on_route {}",
+                    cfg.mode,
+                    cfg.block_size,
+                    cfg.overlap_weight,
+                    cfg.predict_on_route
+                );
+                let seed = host::now_ms() | 1;
+                Some(FilterRoot {
+                    shared: Rc::new(Shared {
+                        router: RefCell::new(Router::new(cfg.clone())),
+                        cfg,
+                        metrics: Metrics::define(),
+                        entropy: Cell::new(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15)),
+                    }),
+                })
+            }
+            Err(e) => {
+                log::error!("kvroute: refusing filter configuration: {e}");
+                None
+            }
+        }
+    }
+
+    pub fn new_stream(&self, _context_id: u32) -> Stream {
+        Stream { shared: Rc::clone(&self.shared), held: None, debug: None }
+    }
+}
+
+pub struct Stream {
+    shared: Rc<Shared>,
+    held: Option<Held>,
+    debug: Option<String>,
+}
+
+impl Stream {
+    fn next_entropy(&self) -> u64 {
+        let mut x = self.shared.entropy.get();
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        self.shared.entropy.set(x);
+        x
+    }
+
+    fn release(&mut self) {
+        if let Some(held) = self.held.take() {
+            if let Ok(router) = self.shared.router.try_borrow() {
+                let failures = router.release(&HostStore, &held, host::now_ms());
+                self.shared.metrics.update_failures.add(u64::from(failures));
+            }
+        }
+    }
+}
+
+impl Context for Stream {
+    fn on_done(&mut self) -> bool {
+        self.release();
+        true
+    }
+}
+
+impl HttpContext for Stream {
+    fn on_http_request_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+        let shared = Rc::clone(&self.shared);
+        let cfg = &shared.cfg;
+        let Ok(mut router) = shared.router.try_borrow_mut() else { return Action::Continue };
+        // No client picks its own host or forges a decision.
+        for h in cfg.routing_headers() {
+            host::remove_request_header(h);
+        }
+        let b64 = host::request_header(&cfg.token_header_b64);
+        let dec = if b64.is_none() { host::request_header(&cfg.token_header) } else { None };
+        let tokens = match (&b64, &dec) {
+            (Some(v), _) => TokenSource::Header(v, TokenEncoding::Base64LeU32),
+            (None, Some(v)) => TokenSource::Header(v, TokenEncoding::Decimal),
+            (None, None) => TokenSource::Missing,
+        };
+        let entropy = self.next_entropy();
+        let d = router.route(&HostStore, tokens, host::now_ms(), entropy);
+        drop(router);
+
+        if let Some(e) = &d.token_error {
+            log::debug!("kvroute: token header not usable ({e}); routing by load");
+        }
+        if !d.destinations.is_empty() {
+            host::set_request_header(&cfg.destination_header, &d.destinations.join(","));
+        }
+        if let Some(p) = &d.prefiller {
+            host::set_request_header(&cfg.prefiller_header, p);
+        }
+        if !cfg.forward_token_headers {
+            host::remove_request_header(&cfg.token_header);
+            host::remove_request_header(&cfg.token_header_b64);
+        }
+        self.shared.metrics.record(&d);
+        if cfg.debug_header.is_some() {
+            self.debug = Some(d.debug_value());
+        }
+        if !d.held.is_empty() {
+            self.held = Some(d.held);
+        }
+        Action::Continue
+    }
+
+    fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+        if let (Some(v), Some(name)) = (&self.debug, &self.shared.cfg.debug_header) {
+            host::add_response_header(name, v);
+        }
+        Action::Continue
+    }
+
+    fn on_log(&mut self) {
+        // Runs for every stream end: completion, client abort, upstream reset.
+        self.release();
+    }
+}

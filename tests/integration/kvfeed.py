@@ -1,0 +1,197 @@
+"""The kvroute feed protocol (docs/feed-protocol.md), written independently of the Rust
+code from the document alone: block hashing, frame encoding and a long-poll feed server.
+
+The real sidecar replaces FeedServer in production; the tests use this one to drive the
+filter inside a real Envoy with exactly the bytes the protocol specifies.
+"""
+import http.server
+import random
+import struct
+import threading
+import urllib.parse
+
+import xxhash
+
+SEED = 1337
+SEGMENT_BASE_BLOCKS = 32
+MAGIC = b"KVRF"
+VERSION = 1
+DELTA, SNAPSHOT_START, SNAPSHOT_MORE = 0, 1, 2
+OP_STORE, OP_REMOVE, OP_CLEAR = 1, 2, 3
+ROLES = {"both": 0, "prefill": 1, "decode": 2}
+
+
+def block_hashes(tokens, block_size=16):
+    """Chained XXH3-64 sequence hashes of every whole block."""
+    out = []
+    for start in range(0, len(tokens) // block_size * block_size, block_size):
+        local = xxhash.xxh3_64_intdigest(
+            struct.pack(f"<{block_size}I", *tokens[start:start + block_size]), seed=SEED)
+        out.append(local if not out else xxhash.xxh3_64_intdigest(
+            struct.pack("<QQ", out[-1], local), seed=SEED))
+    return out
+
+
+def anchor_position(pos):
+    if pos < SEGMENT_BASE_BLOCKS:
+        return 0
+    k = (pos // SEGMENT_BASE_BLOCKS).bit_length() - 1
+    return SEGMENT_BASE_BLOCKS << k
+
+
+def feed_blocks(tokens, block_size=16):
+    """(hash, anchor) of every whole block, as the feed carries them."""
+    h = block_hashes(tokens, block_size)
+    return [(h[i], h[anchor_position(i)]) for i in range(len(h))]
+
+
+def encode_frame(kind, epoch, from_version, to_version, block_size, workers, ops, next_cursor=0):
+    """workers: [(id, role, up)]; ops: [(code, worker_index, [(hash, anchor)] or None)]."""
+    out = bytearray(MAGIC)
+    out += struct.pack("<HBBQQQQIII", VERSION, kind, 0, epoch, from_version, to_version,
+                       next_cursor, block_size, len(workers), len(ops))
+    for wid, role, up in workers:
+        raw = wid.encode()
+        out += struct.pack("<B", len(raw)) + raw + struct.pack("<BB", ROLES[role], 0 if up else 1)
+    for code, worker, blocks in ops:
+        out += struct.pack("<BI", code, worker)
+        if code in (OP_STORE, OP_REMOVE):
+            out += struct.pack("<I", len(blocks))
+            for h, a in blocks:
+                out += struct.pack("<QQ", h, a)
+    return bytes(out)
+
+
+class FeedState:
+    """The sidecar's side of the protocol: the fleet, what each worker holds, a change log."""
+
+    def __init__(self, block_size=16, history=1000):
+        self.block_size = block_size
+        self.epoch = random.getrandbits(63) + 1
+        self.version = 0
+        self.workers = {}  # id -> [role, up]
+        self.held = {}  # id -> {hash: anchor}
+        self.log = []  # (version, [(op, id, blocks)])
+        self.history = history
+        self.cond = threading.Condition()
+        self.polls = 0
+
+    def _commit(self, ops):
+        self.version += 1
+        self.log.append((self.version, ops))
+        del self.log[:-self.history]
+        self.cond.notify_all()
+
+    def set_workers(self, workers):
+        """workers: [(id, role, up)] — the whole fleet."""
+        with self.cond:
+            self.workers = {w: [r, u] for w, r, u in workers}
+            for w in list(self.held):
+                if w not in self.workers:
+                    del self.held[w]
+            for w in self.workers:
+                self.held.setdefault(w, {})
+            self._commit([])
+
+    def store(self, worker, tokens):
+        blocks = feed_blocks(tokens, self.block_size)
+        with self.cond:
+            self.held[worker].update(blocks)
+            self._commit([(OP_STORE, worker, blocks)])
+        return blocks
+
+    def remove(self, worker, blocks):
+        with self.cond:
+            for h, _ in blocks:
+                self.held[worker].pop(h, None)
+            self._commit([(OP_REMOVE, worker, blocks)])
+
+    def clear(self, worker):
+        with self.cond:
+            self.held[worker] = {}
+            self._commit([(OP_CLEAR, worker, None)])
+
+    def restart(self):
+        """A new epoch, as after a sidecar restart: clients must take a snapshot."""
+        with self.cond:
+            self.epoch = random.getrandbits(63) + 1
+            self._commit([])
+
+    def _worker_list(self):
+        ids = list(self.workers)
+        return ids, [(w, self.workers[w][0], self.workers[w][1]) for w in ids]
+
+    def answer(self, epoch, since, cursor, timeout_s):
+        with self.cond:
+            self.polls += 1
+            oldest = self.log[0][0] - 1 if self.log else self.version
+            if epoch == self.epoch and since == self.version and cursor == 0:
+                self.cond.wait_for(lambda: self.version != since or self.epoch != epoch, timeout_s)
+            ids, wl = self._worker_list()
+            if epoch != self.epoch or since > self.version or since < oldest or cursor != 0 \
+                    or (epoch == 0 and since == 0):
+                ops = [(OP_STORE, ids.index(w), list(self.held[w].items()))
+                       for w in ids if self.held.get(w)]
+                return encode_frame(SNAPSHOT_START, self.epoch, 0, self.version,
+                                    self.block_size, wl, ops)
+            ops = []
+            for v, entries in self.log:
+                if v <= since:
+                    continue
+                for code, w, blocks in entries:
+                    if w in ids:
+                        ops.append((code, ids.index(w), blocks))
+            return encode_frame(DELTA, self.epoch, since, self.version, self.block_size, wl, ops)
+
+
+class FeedServer:
+    """FeedState served over HTTP on loopback, with switches for fault tests."""
+
+    def __init__(self, state, port=0):
+        self.state = state
+        self.fail_with = None  # an HTTP status to answer instead of a frame
+        self.garbage = None  # bytes to answer instead of a frame
+        server = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *a):
+                pass
+
+            def do_GET(self):
+                url = urllib.parse.urlparse(self.path)
+                if url.path != "/v1/kv/feed":
+                    return self._send(404, b'{"error":"not found"}', "application/json")
+                if server.fail_with:
+                    return self._send(server.fail_with, b"", "text/plain")
+                if server.garbage is not None:
+                    return self._send(200, server.garbage, "application/x-kvroute-feed")
+                q = urllib.parse.parse_qs(url.query)
+                try:
+                    epoch, since, cursor, timeout_ms = (int(q[k][0]) for k in
+                                                        ("epoch", "since", "cursor", "timeout_ms"))
+                except (KeyError, ValueError):
+                    return self._send(400, b'{"error":"bad query"}', "application/json")
+                body = server.state.answer(epoch, since, cursor, min(timeout_ms, 1000) / 1000)
+                self._send(200, body, "application/x-kvroute-feed")
+
+            def _send(self, status, body, ctype):
+                try:
+                    self.send_response(status)
+                    self.send_header("content-type", ctype)
+                    self.send_header("content-length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # Envoy went away mid-poll (test teardown)
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        self.httpd.daemon_threads = True
+        self.port = self.httpd.server_address[1]
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def stop(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
