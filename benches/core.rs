@@ -1,1 +1,156 @@
-fn main() {}
+//! Microbenchmarks of the routing core: token parsing, block hashing, ranking, and a whole
+//! routing decision (scan, score, in-flight acquire + release) over an in-memory store
+//! with the host's semantics. `cargo bench --bench core`; results in docs/benchmarks.md.
+
+use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use kvroute::config::FilterConfig;
+use kvroute::feed::{FeedBlock, FeedWorker, Frame, FrameKind, Op};
+use kvroute::hash::{block_hashes, block_hashes_le};
+use kvroute::index::{publish, SyncIndex};
+use kvroute::layout::{anchor_position, Role};
+use kvroute::memstore::MemStore;
+use kvroute::router::{Router, TokenSource};
+use kvroute::score::{rank, worker_key, Candidate};
+use kvroute::tokens::{decode_tokens, encode_base64, encode_decimal, TokenEncoding};
+
+const SIZES: [usize; 3] = [1024, 8192, 32768];
+
+fn prompt(seed: u32, n: usize) -> Vec<u32> {
+    (0..n as u32).map(|i| (seed.wrapping_mul(2_654_435_761) ^ i.wrapping_mul(40_503)) % 151_000).collect()
+}
+
+fn parsing(c: &mut Criterion) {
+    let mut g = c.benchmark_group("tokens");
+    for n in SIZES {
+        let p = prompt(1, n);
+        let dec = encode_decimal(&p);
+        let b64 = encode_base64(&p);
+        let mut out = Vec::new();
+        g.throughput(Throughput::Elements(n as u64));
+        g.bench_with_input(BenchmarkId::new("decimal", n), &dec, |b, v| {
+            b.iter(|| decode_tokens(black_box(v.as_bytes()), TokenEncoding::Decimal, 1 << 20, &mut out))
+        });
+        g.bench_with_input(BenchmarkId::new("base64", n), &b64, |b, v| {
+            b.iter(|| decode_tokens(black_box(v.as_bytes()), TokenEncoding::Base64LeU32, 1 << 20, &mut out))
+        });
+    }
+    g.finish();
+}
+
+fn hashing(c: &mut Criterion) {
+    let mut g = c.benchmark_group("hash");
+    for n in SIZES {
+        let le: Vec<u8> = prompt(2, n).iter().flat_map(|t| t.to_le_bytes()).collect();
+        let mut out = Vec::new();
+        g.throughput(Throughput::Elements(n as u64));
+        g.bench_with_input(BenchmarkId::new("blocks16", n), &le, |b, v| {
+            b.iter(|| block_hashes_le(black_box(v), 16, &mut out))
+        });
+    }
+    g.finish();
+}
+
+fn ranking(c: &mut Criterion) {
+    let mut g = c.benchmark_group("rank");
+    for workers in [16usize, 128] {
+        let cands: Vec<Candidate> = (0..workers)
+            .map(|s| Candidate {
+                slot: s,
+                cache_hits: (s as u32 * 7) % 100,
+                active_blocks: (s as u32 * 13) % 500,
+                worker_key: worker_key(&format!("10.0.{}.{}:8000", s / 250, s % 250)),
+            })
+            .collect();
+        let mut out = Vec::new();
+        g.bench_with_input(BenchmarkId::new("workers", workers), &cands, |b, cands| {
+            b.iter(|| rank(black_box(cands), 1.0, 128, 42, &mut out))
+        });
+    }
+    g.finish();
+}
+
+/// A fleet whose workers each cache a few shared prefixes plus some of the request's.
+fn fleet(workers: usize, request: &[u32]) -> MemStore {
+    let store = MemStore::new();
+    let mut ix = SyncIndex::new(4096);
+    let feed_workers: Vec<FeedWorker> = (0..workers)
+        .map(|i| FeedWorker { id: format!("10.0.{}.{}:8000", i / 250, i % 250), role: Role::Both, up: true })
+        .collect();
+    let blocks = |tokens: &[u32]| -> Vec<FeedBlock> {
+        let h = block_hashes(tokens, 16);
+        (0..h.len()).map(|i| FeedBlock { hash: h[i], anchor: h[anchor_position(i)] }).collect()
+    };
+    let mut ops = Vec::new();
+    for w in 0..workers {
+        // Each worker: 8 unrelated 2k-token conversations…
+        for k in 0..8 {
+            ops.push(Op::Store { worker: w as u32, blocks: blocks(&prompt(1000 + (w * 8 + k) as u32, 2048)) });
+        }
+        // …and a share of the request's prefix, different per worker.
+        let share = request.len() * (w + 1) / (workers + 1) / 16 * 16;
+        ops.push(Op::Store { worker: w as u32, blocks: blocks(&request[..share]) });
+    }
+    let frame = Frame {
+        kind: FrameKind::SnapshotStart,
+        epoch: 1,
+        from_version: 0,
+        to_version: 1,
+        next_cursor: 0,
+        block_size: 16,
+        workers: feed_workers,
+        ops,
+    };
+    ix.apply(&frame).expect("snapshot applies");
+    ix.set_live(true);
+    publish(&mut ix, &store);
+    store
+}
+
+fn routing(c: &mut Criterion) {
+    let mut g = c.benchmark_group("route");
+    for tokens in [2048usize, 32768] {
+        for workers in [16usize, 128] {
+            let request = prompt(7, tokens);
+            let store = fleet(workers, &request);
+            let b64 = encode_base64(&request);
+            let mut router = Router::new(FilterConfig::from_json(b"{}").expect("defaults"));
+            let (r0, w0) = store.calls();
+            let d = router.route(&store, TokenSource::Header(b64.as_bytes(), TokenEncoding::Base64LeU32), 0, 1);
+            let (r1, w1) = store.calls();
+            router.release(&store, &d.held, 1);
+            let (r2, w2) = store.calls();
+            println!(
+                "route/{tokens}tok/{workers}w: hits {} of {} blocks; shared-data gets/sets: route {}/{}, release {}/{}",
+                d.hits,
+                d.request_blocks,
+                r1 - r0,
+                w1 - w0,
+                r2 - r1,
+                w2 - w1
+            );
+            g.throughput(Throughput::Elements(1));
+            g.bench_function(BenchmarkId::new(format!("{tokens}tok"), workers), |b| {
+                let mut now = 10;
+                b.iter(|| {
+                    now += 1;
+                    let d = router.route(
+                        &store,
+                        TokenSource::Header(black_box(b64.as_bytes()), TokenEncoding::Base64LeU32),
+                        now,
+                        now,
+                    );
+                    router.release(&store, &d.held, now);
+                })
+            });
+        }
+    }
+    g.finish();
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default().sample_size(30).warm_up_time(std::time::Duration::from_millis(500))
+        .measurement_time(std::time::Duration::from_secs(2));
+    targets = parsing, hashing, ranking, routing
+}
+criterion_main!(benches);

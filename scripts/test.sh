@@ -32,7 +32,7 @@ cargo test --quiet --lib
 
 step "core unit tests (wasm32, in node)"
 CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUNNER=wasm-bindgen-test-runner \
-  cargo test --quiet --target wasm32-unknown-unknown --no-default-features --lib
+  cargo test --target wasm32-unknown-unknown --no-default-features --lib  # the runner rejects --quiet
 
 step "building kvroute.wasm"
 cargo build --quiet --target wasm32-unknown-unknown --release

@@ -6,7 +6,10 @@
 //! bucket; the writer merges that from the current shared value.
 
 use crate::feed::{Frame, FrameKind, Op};
-use crate::layout::{bucket_of, SlotState, WorkerSlot, WorkerTable};
+use crate::layout::{
+    bucket_key, bucket_of, encode_bucket, Bucket, FlyEntry, SlotState, WorkerSlot, WorkerTable, FLY_ENTRY, TABLE_KEY,
+};
+use crate::router::{SharedStore, StoreError};
 use crate::slots::MAX_SLOTS;
 use std::fmt;
 
@@ -384,6 +387,32 @@ impl SyncIndex {
         }
     }
 
+    /// Copies bucket `b`'s in-flight entries into `out`, less the predictions (entries no
+    /// stream holds) that the index now confirms: the engine reported the block, so the
+    /// prediction has done its job. Both lists are sorted by hash: one merge pass.
+    fn drop_confirmed(&self, b: u32, fly: &[u8], n: usize, out: &mut Vec<u8>) -> usize {
+        out.clear();
+        let stride = 1 + self.mask_words;
+        let entries = &self.buckets[b as usize];
+        let mut j = 0;
+        for raw in fly.chunks_exact(FLY_ENTRY).take(n) {
+            let e = FlyEntry::decode(raw);
+            while j < entries.len() && entries[j] < e.hash {
+                j += stride;
+            }
+            let slot = usize::from(e.slot);
+            let confirmed = e.refs == 0
+                && j < entries.len()
+                && entries[j] == e.hash
+                && slot / 64 < self.mask_words
+                && entries[j + 1 + slot / 64] & (1 << (slot % 64)) != 0;
+            if !confirmed {
+                out.extend_from_slice(raw);
+            }
+        }
+        out.len() / FLY_ENTRY
+    }
+
     /// The index part of bucket `b` as stored: `(mask_words, n_idx, raw entries)`.
     pub fn encode_idx(&self, b: u32) -> (usize, usize, Vec<u8>) {
         let entries = &self.buckets[b as usize];
@@ -413,6 +442,57 @@ impl SyncIndex {
     }
 }
 
+/// Shared-data writes of one [`publish`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PublishStats {
+    pub bucket_writes: u64,
+    /// Writes that failed (left dirty, retried on the next publish).
+    pub failures: u64,
+}
+
+const CAS_ATTEMPTS: u32 = 16;
+
+/// Writes every changed bucket (index part only: the filters' in-flight part is kept as
+/// found, by compare-and-swap), then the worker table if it changed.
+pub fn publish(index: &mut SyncIndex, store: &dyn SharedStore) -> PublishStats {
+    let mut stats = PublishStats::default();
+    for b in index.take_dirty() {
+        if write_bucket(index, store, b) {
+            stats.bucket_writes += 1;
+        } else {
+            stats.failures += 1;
+            index.mark_dirty(b);
+        }
+    }
+    if let Some(t) = index.take_table() {
+        if store.set(TABLE_KEY, &t.encode(), None).is_err() {
+            stats.failures += 1;
+            index.table_dirty = true;
+        }
+    }
+    stats
+}
+
+fn write_bucket(index: &SyncIndex, store: &dyn SharedStore, b: u32) -> bool {
+    let key = bucket_key(b);
+    let (mw, n_idx, raw) = index.encode_idx(b);
+    let mut fly = Vec::new();
+    for _ in 0..CAS_ATTEMPTS {
+        let Ok((cur, cas)) = store.get(&key) else { return false };
+        let cur = cur.unwrap_or_default();
+        // A value that does not decode (nothing of ours writes one) loses its in-flight
+        // part: the index must be written regardless.
+        let (n_old, old) = Bucket::parse(&cur).map(|b| b.fly_raw()).unwrap_or((0, &[]));
+        let n_fly = index.drop_confirmed(b, old, n_old, &mut fly);
+        match store.set(&key, &encode_bucket(mw, n_idx, &raw, n_fly, &fly), Some(cas.unwrap_or(0))) {
+            Ok(()) => return true,
+            Err(StoreError::CasMismatch) => continue,
+            Err(StoreError::Other(_)) => return false,
+        }
+    }
+    false
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -433,7 +513,7 @@ mod tests {
     fn holders(ix: &SyncIndex, hash: u64, anchor: u64) -> Vec<usize> {
         let b = bucket_of(anchor, ix.n_buckets());
         let (mw, n, raw) = ix.encode_idx(b);
-        let bytes = encode_bucket(mw, n, &raw, &[]);
+        let bytes = encode_bucket(mw, n, &raw, 0, &[]);
         let mut s = SlotSet::EMPTY;
         Bucket::parse(&bytes).unwrap().holders(hash, 0, false, &mut s);
         s.iter().collect()
@@ -550,6 +630,32 @@ mod tests {
         assert_eq!(ix.entries(), 2);
         // A stray continuation page is refused.
         assert!(ix.apply(&p2).is_err());
+    }
+
+    #[test]
+    fn confirmed_predictions_are_dropped_on_publish() {
+        use crate::layout::fly_raw_of;
+        use crate::memstore::MemStore;
+        let store = MemStore::new();
+        let mut ix = SyncIndex::new(16);
+        ix.apply(&frame(FrameKind::SnapshotStart, 0, 1, vec![worker("a:1"), worker("b:1")], vec![])).unwrap();
+        publish(&mut ix, &store);
+        // Filters predicted blocks 7 and 8 on slot 0 and hold 7 in flight on slot 1.
+        let key = bucket_key(bucket_of(1000, 16));
+        let fly = [
+            FlyEntry { hash: 7, slot: 0, refs: 0, until_ms: 99 },
+            FlyEntry { hash: 7, slot: 1, refs: 1, until_ms: 99 },
+            FlyEntry { hash: 8, slot: 0, refs: 0, until_ms: 99 },
+        ];
+        store.set(&key, &encode_bucket(1, 0, &[], 3, &fly_raw_of(&fly)), None).unwrap();
+        // The engines confirm 7 on both slots.
+        let d = Op::Store { worker: 0, blocks: vec![blk(7)] };
+        let d2 = Op::Store { worker: 1, blocks: vec![blk(7)] };
+        ix.apply(&frame(FrameKind::Delta, 1, 2, vec![worker("a:1"), worker("b:1")], vec![d, d2])).unwrap();
+        assert_eq!(publish(&mut ix, &store).failures, 0);
+        let v = store.get(&key).unwrap().0.unwrap();
+        let left: Vec<_> = Bucket::parse(&v).unwrap().fly_entries().map(|e| (e.hash, e.slot)).collect();
+        assert_eq!(left, vec![(7, 1), (8, 0)], "in-flight entries stay; unconfirmed predictions stay");
     }
 
     #[test]

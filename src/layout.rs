@@ -307,7 +307,8 @@ impl FlyEntry {
 
 const BUCKET_FORMAT: u16 = 1;
 const BUCKET_HEADER: usize = 12;
-const FLY_ENTRY: usize = 20;
+/// Bytes of one in-flight entry.
+pub const FLY_ENTRY: usize = 20;
 
 /// A decoded view of one bucket value. An empty value is an empty bucket (keys cannot be
 /// deleted, so "removed" is "stored empty").
@@ -387,13 +388,7 @@ impl<'a> Bucket<'a> {
     }
 
     pub fn fly_entry(&self, i: usize) -> FlyEntry {
-        let b = &self.fly[i * FLY_ENTRY..(i + 1) * FLY_ENTRY];
-        FlyEntry {
-            hash: le_u64(b),
-            slot: u16::from_le_bytes([b[8], b[9]]),
-            refs: u16::from_le_bytes([b[10], b[11]]),
-            until_ms: le_u64(&b[12..]),
-        }
+        FlyEntry::decode(&self.fly[i * FLY_ENTRY..(i + 1) * FLY_ENTRY])
     }
 
     pub fn fly_entries(&self) -> impl Iterator<Item = FlyEntry> + '_ {
@@ -436,29 +431,55 @@ impl<'a> Bucket<'a> {
         }
     }
 
-    /// The raw index part, for re-encoding a bucket after changing only its in-flight part.
+    /// The raw index part: `(mask_words, n_idx, bytes)`.
     pub fn idx_raw(&self) -> (usize, usize, &'a [u8]) {
         (self.mask_words, self.n_idx, self.idx)
     }
+
+    /// The raw in-flight part: `(n_fly, bytes)`.
+    pub fn fly_raw(&self) -> (usize, &'a [u8]) {
+        (self.n_fly, self.fly)
+    }
 }
 
-/// Encodes a bucket from a raw index part and in-flight entries (sorted by the caller's
-/// edit functions). Both parts empty encode to an empty value.
-pub fn encode_bucket(mask_words: usize, n_idx: usize, idx_raw: &[u8], fly: &[FlyEntry]) -> Vec<u8> {
-    if n_idx == 0 && fly.is_empty() {
+impl FlyEntry {
+    pub fn decode(b: &[u8]) -> FlyEntry {
+        FlyEntry {
+            hash: le_u64(b),
+            slot: u16::from_le_bytes([b[8], b[9]]),
+            refs: u16::from_le_bytes([b[10], b[11]]),
+            until_ms: le_u64(&b[12..]),
+        }
+    }
+
+    pub fn encode_into(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.hash.to_le_bytes());
+        out.extend_from_slice(&self.slot.to_le_bytes());
+        out.extend_from_slice(&self.refs.to_le_bytes());
+        out.extend_from_slice(&self.until_ms.to_le_bytes());
+    }
+}
+
+/// Encodes a bucket from its two raw parts. Both parts empty encode to an empty value.
+pub fn encode_bucket(mask_words: usize, n_idx: usize, idx_raw: &[u8], n_fly: usize, fly_raw: &[u8]) -> Vec<u8> {
+    if n_idx == 0 && n_fly == 0 {
         return Vec::new();
     }
-    let mut out = Vec::with_capacity(BUCKET_HEADER + idx_raw.len() + fly.len() * FLY_ENTRY);
+    let mut out = Vec::with_capacity(BUCKET_HEADER + idx_raw.len() + fly_raw.len());
     out.extend_from_slice(&BUCKET_FORMAT.to_le_bytes());
     out.extend_from_slice(&(mask_words as u16).to_le_bytes());
     out.extend_from_slice(&(n_idx as u32).to_le_bytes());
-    out.extend_from_slice(&(fly.len() as u32).to_le_bytes());
+    out.extend_from_slice(&(n_fly as u32).to_le_bytes());
     out.extend_from_slice(idx_raw);
-    for e in fly {
-        out.extend_from_slice(&e.hash.to_le_bytes());
-        out.extend_from_slice(&e.slot.to_le_bytes());
-        out.extend_from_slice(&e.refs.to_le_bytes());
-        out.extend_from_slice(&e.until_ms.to_le_bytes());
+    out.extend_from_slice(fly_raw);
+    out
+}
+
+/// Raw bytes of in-flight entries (tests and tools).
+pub fn fly_raw_of(entries: &[FlyEntry]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(entries.len() * FLY_ENTRY);
+    for e in entries {
+        e.encode_into(&mut out);
     }
     out
 }
@@ -519,7 +540,7 @@ mod tests {
             FlyEntry { hash: 5, slot: 3, refs: 1, until_ms: 100 },
             FlyEntry { hash: 9, slot: 4, refs: 0, until_ms: 50 },
         ];
-        let bytes = encode_bucket(1, 2, &idx, &fly);
+        let bytes = encode_bucket(1, 2, &idx, fly.len(), &fly_raw_of(&fly));
         let b = Bucket::parse(&bytes).unwrap();
         let mut s = SlotSet::EMPTY;
         b.holders(5, 60, true, &mut s);
@@ -537,7 +558,7 @@ mod tests {
         for cut in 1..bytes.len() {
             assert!(Bucket::parse(&bytes[..cut]).is_err(), "cut {cut}");
         }
-        assert_eq!(encode_bucket(1, 0, &[], &[]), Vec::<u8>::new());
+        assert_eq!(encode_bucket(1, 0, &[], 0, &[]), Vec::<u8>::new());
         assert_eq!(Bucket::parse(&[]).unwrap().n_idx(), 0);
     }
 

@@ -9,6 +9,7 @@
 //! - [`layout`]: the shared-data layout the sync service writes and the filter reads
 //! - [`inflight`]: in-flight / predicted blocks and `active_blocks`
 //! - [`router`]: one routing decision over a [`router::SharedStore`]
+//! - [`memstore`]: an in-process store with the host's semantics (tests, benches)
 //! - [`feed`]: the sidecar → sync service frame format
 //! - [`index`]: the sync service's model of the fleet
 //! - [`config`]: plugin configuration, validated
@@ -25,6 +26,7 @@ pub mod hash;
 pub mod index;
 pub mod inflight;
 pub mod layout;
+pub mod memstore;
 pub mod router;
 pub mod score;
 pub mod slots;

@@ -7,10 +7,9 @@
 
 use crate::config::{FilterConfig, Mode};
 use crate::hash::block_hashes_le;
-use crate::inflight::{self, ActiveDelta};
+use crate::inflight::{self, ActiveDelta, Change};
 use crate::layout::{
-    bucket_key, bucket_of, encode_bucket, segments, Bucket, FlyEntry, LoadVector, SlotState, WorkerTable, LOAD_KEY,
-    TABLE_KEY,
+    bucket_key, bucket_of, encode_bucket, segments, Bucket, LoadVector, SlotState, WorkerTable, LOAD_KEY, TABLE_KEY,
 };
 use crate::score::{rank, worker_key, Candidate, Scored};
 use crate::slots::{SlotSet, MAX_SLOTS};
@@ -83,12 +82,11 @@ impl Fallback {
 /// What a request holds in flight, released when its stream ends.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Held {
+    /// Slots the blocks are in flight on, sorted (PD mode: prefill and decode worker).
     slots: Vec<u16>,
-    n_buckets: u32,
-    /// Block hashes of the request; `segments` index into it.
-    hashes: Vec<u64>,
-    /// Segments whose in-flight entries were written (all of them unless an update gave up).
-    segments: Vec<(usize, usize)>,
+    /// Per segment whose in-flight entries were written (all of them unless an update gave
+    /// up): its bucket and its block hashes, sorted as the bucket rewrite wants them.
+    segments: Vec<(u32, Vec<u64>)>,
 }
 
 impl Held {
@@ -150,7 +148,6 @@ pub struct Router {
 }
 
 struct ScannedBucket {
-    key: String,
     value: Option<Vec<u8>>,
     cas: Option<u32>,
 }
@@ -210,9 +207,9 @@ impl Router {
         }
 
         d.shared_reads += 1;
-        let load = match store.get(LOAD_KEY) {
-            Ok((Some(v), _)) => LoadVector::decode(&v),
-            _ => LoadVector::default(),
+        let (load, load_cas) = match store.get(LOAD_KEY) {
+            Ok((v, cas)) => (LoadVector::decode(v.as_deref().unwrap_or(&[])), cas),
+            Err(_) => (LoadVector::default(), None),
         };
 
         let up = |role_ok: fn(crate::layout::Role) -> bool| -> SlotSet {
@@ -274,7 +271,7 @@ impl Router {
                         break;
                     }
                 }
-                scanned.push(ScannedBucket { key, value, cas });
+                scanned.push(ScannedBucket { value, cas });
             }
             for slot in alive.iter() {
                 if let Some(h) = hits.get_mut(slot) {
@@ -324,8 +321,8 @@ impl Router {
         }
 
         if !hashes.is_empty() {
-            d.held = Held { slots: chosen, n_buckets: table.n_buckets, hashes, segments: Vec::new() };
-            self.acquire(store, &mut d, scanned, now_ms);
+            chosen.sort_unstable();
+            d.held = self.acquire(store, &mut d, &hashes, table.n_buckets, chosen, scanned, (load, load_cas), now_ms);
         }
         d
     }
@@ -342,30 +339,34 @@ impl Router {
         }
     }
 
-    fn acquire(&self, store: &dyn SharedStore, d: &mut Decision, mut scanned: Vec<ScannedBucket>, now_ms: u64) {
-        let lease = self.cfg.inflight_lease_ms;
+    /// Records the request's blocks as in flight on `slots`. `scanned` and `load` are the
+    /// values the decision read, reused as the first attempt of their compare-and-swap.
+    #[allow(clippy::too_many_arguments)]
+    fn acquire(
+        &self,
+        store: &dyn SharedStore,
+        d: &mut Decision,
+        hashes: &[u64],
+        n_buckets: u32,
+        slots: Vec<u16>,
+        scanned: Vec<ScannedBucket>,
+        load: (LoadVector, Option<u32>),
+        now_ms: u64,
+    ) -> Held {
+        let change = Change::Acquire { lease_ms: self.cfg.inflight_lease_ms };
+        let mut held = Held { slots, segments: Vec::new() };
         let mut delta = ActiveDelta::default();
-        let held = &mut d.held;
-        let mut scanned_iter = scanned.drain(..);
-        for seg in segments(held.hashes.len()) {
-            let hashes = &held.hashes[seg.clone()];
-            let key;
-            let mut first_read = None;
-            match scanned_iter.next() {
-                Some(b) => {
-                    key = b.key;
-                    first_read = Some((b.value, b.cas));
-                }
-                None => key = bucket_key(bucket_of(held.hashes[seg.start], held.n_buckets)),
-            }
-            let slots = held.slots.clone();
-            let outcome = update_bucket(store, &key, first_read, now_ms, &mut d.shared_reads, |fly| {
-                slots.iter().map(|&s| (s, inflight::acquire(fly, hashes, s, now_ms, lease))).collect()
-            });
-            match outcome {
+        let mut scanned = scanned.into_iter();
+        for seg in segments(hashes.len()) {
+            let b = bucket_of(hashes[seg.start], n_buckets);
+            let first_read = scanned.next().map(|s| (s.value, s.cas));
+            let mut sorted = hashes[seg].to_vec();
+            sorted.sort_unstable();
+            sorted.dedup();
+            match update_bucket(store, b, first_read, &sorted, &held.slots, change, now_ms, &mut d.shared_reads) {
                 Ok(seg_delta) => {
                     delta.merge(&seg_delta);
-                    held.segments.push((seg.start, seg.end));
+                    held.segments.push((b, sorted));
                 }
                 Err(layout) => {
                     d.update_failures += 1;
@@ -373,77 +374,70 @@ impl Router {
                 }
             }
         }
-        if !update_load(store, &delta, &mut d.shared_reads) {
+        if !update_load(store, &delta, Some(load), &mut d.shared_reads) {
             d.update_failures += 1;
         }
+        held
     }
 
     /// Releases what a finished stream held: in-flight blocks become predictions (or go,
     /// with predict-on-route off). Returns the number of updates that failed.
     pub fn release(&self, store: &dyn SharedStore, held: &Held, now_ms: u64) -> u32 {
-        let linger = if self.cfg.predict_on_route { self.cfg.prediction_ttl_ms } else { 0 };
+        let linger_ms = if self.cfg.predict_on_route { self.cfg.prediction_ttl_ms } else { 0 };
+        let change = Change::Release { linger_ms };
         let mut failures = 0;
         let mut delta = ActiveDelta::default();
         let mut reads = 0;
-        for &(start, end) in &held.segments {
-            let hashes = &held.hashes[start..end];
-            let key = bucket_key(bucket_of(held.hashes[start], held.n_buckets));
-            let slots = &held.slots;
-            match update_bucket(store, &key, None, now_ms, &mut reads, |fly| {
-                slots.iter().map(|&s| (s, -inflight::release(fly, hashes, s, now_ms, linger))).collect()
-            }) {
+        for (b, hashes) in &held.segments {
+            match update_bucket(store, *b, None, hashes, &held.slots, change, now_ms, &mut reads) {
                 Ok(seg_delta) => delta.merge(&seg_delta),
                 Err(_) => failures += 1,
             }
         }
-        if !update_load(store, &delta, &mut reads) {
+        if !update_load(store, &delta, None, &mut reads) {
             failures += 1;
         }
         failures
     }
 }
 
-/// Read-modify-write of one bucket's in-flight part with compare-and-swap; garbage is
-/// collected on the way. `edit` returns the per-slot active change it made. The first read
-/// may be supplied from an earlier scan. Err(true) when the bucket could not be decoded.
+/// Read-modify-write of bucket `b`'s in-flight part with compare-and-swap (see
+/// [`inflight::rewrite`]). The first read may come from the scan. Err(true) when the
+/// bucket could not be decoded.
+#[allow(clippy::too_many_arguments)]
 fn update_bucket(
     store: &dyn SharedStore,
-    key: &str,
+    b: u32,
     mut first_read: Option<(Option<Vec<u8>>, Option<u32>)>,
+    hashes: &[u64],
+    slots: &[u16],
+    change: Change,
     now_ms: u64,
     reads: &mut u32,
-    mut edit: impl FnMut(&mut Vec<FlyEntry>) -> Vec<(u16, i64)>,
 ) -> Result<ActiveDelta, bool> {
+    let key = bucket_key(b);
+    let mut fly = Vec::new();
     for _ in 0..CAS_ATTEMPTS {
         let (value, cas) = match first_read.take() {
             Some(r) => r,
             None => {
                 *reads += 1;
-                store.get(key).map_err(|_| false)?
+                store.get(&key).map_err(|_| false)?
             }
         };
         let value = value.unwrap_or_default();
         let bucket = Bucket::parse(&value).map_err(|_| true)?;
-        let mut fly: Vec<FlyEntry> = bucket.fly_entries().collect();
-        let mut delta = inflight::collect_garbage(&mut fly, now_ms, |h| {
-            let mut s = SlotSet::EMPTY;
-            if let Some(m) = bucket.idx_mask(h) {
-                s.union_le_words(m);
-            }
-            s
-        });
-        for (slot, d) in edit(&mut fly) {
-            delta.add(usize::from(slot), d);
-        }
-        let (mw, n_idx, idx_raw) = bucket.idx_raw();
-        let out = encode_bucket(mw, n_idx, idx_raw, &fly);
-        if out == value {
+        let (n_fly, fly_raw) = bucket.fly_raw();
+        let (n, delta) = inflight::rewrite(fly_raw, n_fly, hashes, slots, change, now_ms, &mut fly);
+        if n == n_fly && fly == fly_raw {
             return Ok(delta);
         }
+        let (mw, n_idx, idx_raw) = bucket.idx_raw();
+        let out = encode_bucket(mw, n_idx, idx_raw, n, &fly);
         // The host treats CAS 0 as "unconditional". Keys exist from the sync service's
         // start (it creates every bucket and the load key empty), so 0 only happens
         // before that, when no table exists and nothing is routed yet.
-        match store.set(key, &out, Some(cas.unwrap_or(0))) {
+        match store.set(&key, &out, Some(cas.unwrap_or(0))) {
             Ok(()) => return Ok(delta),
             Err(StoreError::CasMismatch) => continue,
             Err(StoreError::Other(_)) => return Err(false),
@@ -452,15 +446,26 @@ fn update_bucket(
     Err(false)
 }
 
-/// Applies per-slot active-block changes to the load vector with compare-and-swap.
-fn update_load(store: &dyn SharedStore, delta: &ActiveDelta, reads: &mut u32) -> bool {
+/// Applies per-slot active-block changes to the load vector with compare-and-swap; the
+/// first attempt may use a value already read.
+fn update_load(
+    store: &dyn SharedStore,
+    delta: &ActiveDelta,
+    mut first_read: Option<(LoadVector, Option<u32>)>,
+    reads: &mut u32,
+) -> bool {
     if delta.is_zero() {
         return true;
     }
     for _ in 0..CAS_ATTEMPTS {
-        *reads += 1;
-        let Ok((value, cas)) = store.get(LOAD_KEY) else { return false };
-        let mut load = LoadVector::decode(value.as_deref().unwrap_or(&[]));
+        let (mut load, cas) = match first_read.take() {
+            Some(r) => r,
+            None => {
+                *reads += 1;
+                let Ok((value, cas)) = store.get(LOAD_KEY) else { return false };
+                (LoadVector::decode(value.as_deref().unwrap_or(&[])), cas)
+            }
+        };
         load.apply(&delta.0);
         match store.set(LOAD_KEY, &load.encode(), Some(cas.unwrap_or(0))) {
             Ok(()) => return true,

@@ -6,55 +6,16 @@ use crate::feed::{FeedBlock, FeedWorker, Frame, FrameKind, Op};
 use crate::hash::block_hashes;
 use crate::index::SyncIndex;
 use crate::layout::{anchor_position, Role};
+use crate::memstore::MemStore;
 use crate::tokens::encode_base64;
-use std::cell::RefCell;
-use std::collections::HashMap;
 #[cfg(target_arch = "wasm32")]
 use wasm_bindgen_test::wasm_bindgen_test as test;
 
-/// proxy-wasm-cpp-host's shared data: CAS 0 is unconditional, every write bumps the token.
-#[derive(Default)]
-pub(crate) struct MemStore {
-    map: RefCell<HashMap<String, (Vec<u8>, u32)>>,
-    next_cas: RefCell<u32>,
-}
-
-impl SharedStore for MemStore {
-    fn get(&self, key: &str) -> Result<(Option<Vec<u8>>, Option<u32>), StoreError> {
-        Ok(match self.map.borrow().get(key) {
-            Some((v, c)) => (Some(v.clone()), Some(*c)),
-            None => (None, None),
-        })
-    }
-    fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
-        let mut map = self.map.borrow_mut();
-        if let (Some(c), Some((_, cur))) = (cas, map.get(key)) {
-            if c != 0 && c != *cur {
-                return Err(StoreError::CasMismatch);
-            }
-        }
-        let mut n = self.next_cas.borrow_mut();
-        *n += 1;
-        map.insert(key.to_string(), (value.to_vec(), *n));
-        Ok(())
-    }
-}
-
-/// What the sync service does, in miniature: apply a frame, write table and buckets.
+/// What the sync service does: apply a frame, publish buckets and table.
 pub(crate) fn sync_write(store: &MemStore, ix: &mut SyncIndex, frame: &Frame) {
     ix.apply(frame).unwrap();
     ix.set_live(true);
-    for b in ix.take_dirty() {
-        let key = bucket_key(b);
-        let (cur, _) = store.get(&key).unwrap();
-        let cur = cur.unwrap_or_default();
-        let fly: Vec<FlyEntry> = Bucket::parse(&cur).unwrap().fly_entries().collect();
-        let (mw, n, raw) = ix.encode_idx(b);
-        store.set(&key, &encode_bucket(mw, n, &raw, &fly), None).unwrap();
-    }
-    if let Some(t) = ix.take_table() {
-        store.set(TABLE_KEY, &t.encode(), None).unwrap();
-    }
+    assert_eq!(crate::index::publish(ix, store).failures, 0);
 }
 
 fn feed_blocks(tokens: &[u32]) -> Vec<FeedBlock> {

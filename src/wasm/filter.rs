@@ -1,45 +1,52 @@
 //! The HTTP filter: per request, route by KV cost and release in-flight blocks at the end.
 
-use super::host::{self, HostStore, Metric};
+use super::host::{self, BatchedCounter, HostStore};
 use crate::config::FilterConfig;
 use crate::router::{Decision, Fallback, Held, Router, TokenSource};
-use crate::tokens::TokenEncoding;
+use crate::tokens::{TokenEncoding, TokenError};
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::Action;
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
+use std::time::Duration;
 
-/// Envoy stats (`wasmcustom.kvroute.*`), defined once per VM.
+/// Envoy stats (`wasmcustom.kvroute.*`), defined once per VM, flushed to the host every
+/// [`FLUSH_EVERY`] requests and on the root context's tick.
 struct Metrics {
-    requests: Metric,
-    scored: Metric,
-    fallback: Vec<(Fallback, Metric)>,
-    token_errors: Vec<(&'static str, Metric)>,
-    blocks_requested: Metric,
-    blocks_hit: Metric,
-    layout_errors: Metric,
-    update_failures: Metric,
-    shared_reads: Metric,
+    requests: BatchedCounter,
+    scored: BatchedCounter,
+    fallback: Vec<(Fallback, BatchedCounter)>,
+    token_errors: Vec<(&'static str, BatchedCounter)>,
+    blocks_requested: BatchedCounter,
+    blocks_hit: BatchedCounter,
+    layout_errors: BatchedCounter,
+    update_failures: BatchedCounter,
+    shared_reads: BatchedCounter,
+    unflushed: Cell<u32>,
 }
+
+const FLUSH_EVERY: u32 = 64;
+pub const FLUSH_PERIOD: Duration = Duration::from_millis(200);
 
 impl Metrics {
     fn define() -> Metrics {
         Metrics {
-            requests: Metric::counter("kvroute.requests"),
-            scored: Metric::counter("kvroute.scored"),
+            requests: BatchedCounter::new("kvroute.requests"),
+            scored: BatchedCounter::new("kvroute.scored"),
             fallback: Fallback::ALL
                 .iter()
-                .map(|f| (*f, Metric::counter(&format!("kvroute.fallback.{}", f.name()))))
+                .map(|f| (*f, BatchedCounter::new(&format!("kvroute.fallback.{}", f.name()))))
                 .collect(),
-            token_errors: ["empty", "too_many", "malformed", "out_of_range", "partial_token"]
+            token_errors: TokenError::REASONS
                 .iter()
-                .map(|r| (*r, Metric::counter(&format!("kvroute.token_errors.{r}"))))
+                .map(|r| (*r, BatchedCounter::new(&format!("kvroute.token_errors.{r}"))))
                 .collect(),
-            blocks_requested: Metric::counter("kvroute.blocks_requested"),
-            blocks_hit: Metric::counter("kvroute.blocks_hit"),
-            layout_errors: Metric::counter("kvroute.layout_errors"),
-            update_failures: Metric::counter("kvroute.update_failures"),
-            shared_reads: Metric::counter("kvroute.shared_reads"),
+            blocks_requested: BatchedCounter::new("kvroute.blocks_requested"),
+            blocks_hit: BatchedCounter::new("kvroute.blocks_hit"),
+            layout_errors: BatchedCounter::new("kvroute.layout_errors"),
+            update_failures: BatchedCounter::new("kvroute.update_failures"),
+            shared_reads: BatchedCounter::new("kvroute.shared_reads"),
+            unflushed: Cell::new(0),
         }
     }
 
@@ -63,6 +70,29 @@ impl Metrics {
         self.layout_errors.add(u64::from(d.layout_errors));
         self.update_failures.add(u64::from(d.update_failures));
         self.shared_reads.add(u64::from(d.shared_reads));
+        let n = self.unflushed.get() + 1;
+        self.unflushed.set(n);
+        if n >= FLUSH_EVERY {
+            self.flush();
+        }
+    }
+
+    fn flush(&self) {
+        self.unflushed.set(0);
+        let all = [
+            &self.requests,
+            &self.scored,
+            &self.blocks_requested,
+            &self.blocks_hit,
+            &self.layout_errors,
+            &self.update_failures,
+            &self.shared_reads,
+        ];
+        for c in
+            all.into_iter().chain(self.fallback.iter().map(|(_, c)| c)).chain(self.token_errors.iter().map(|(_, c)| c))
+        {
+            c.flush();
+        }
     }
 }
 
@@ -105,6 +135,11 @@ impl FilterRoot {
                 None
             }
         }
+    }
+
+    /// Pushes collected stats to the host (called on the root context's tick).
+    pub fn on_tick(&self) {
+        self.shared.metrics.flush();
     }
 
     pub fn new_stream(&self, _context_id: u32) -> Stream {

@@ -91,3 +91,27 @@ impl Metric {
         }
     }
 }
+
+/// A counter whose increments collect in the VM and reach the host on [`flush`]: one host
+/// call per flush instead of one per request and counter.
+///
+/// [`flush`]: BatchedCounter::flush
+pub struct BatchedCounter {
+    metric: Metric,
+    pending: std::cell::Cell<u64>,
+}
+
+impl BatchedCounter {
+    pub fn new(name: &str) -> BatchedCounter {
+        BatchedCounter { metric: Metric::counter(name), pending: std::cell::Cell::new(0) }
+    }
+    pub fn add(&self, n: u64) {
+        self.pending.set(self.pending.get().saturating_add(n));
+    }
+    pub fn inc(&self) {
+        self.add(1);
+    }
+    pub fn flush(&self) {
+        self.metric.add(self.pending.replace(0));
+    }
+}

@@ -50,6 +50,8 @@ impl RootContext for Root {
             FILTER_ROOT_ID => match filter::FilterRoot::configure(&config) {
                 Some(f) => {
                     *self = Root::Filter(f);
+                    // Errors ignored: without ticks stats still flush every few requests.
+                    let _ = proxy_wasm::hostcalls::set_tick_period(filter::FLUSH_PERIOD);
                     true
                 }
                 None => false,
@@ -69,8 +71,10 @@ impl RootContext for Root {
     }
 
     fn on_tick(&mut self) {
-        if let Root::Sync(s) = self {
-            s.on_tick();
+        match self {
+            Root::Sync(s) => s.on_tick(),
+            Root::Filter(f) => f.on_tick(),
+            Root::Unconfigured => {}
         }
     }
 

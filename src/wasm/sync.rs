@@ -9,13 +9,12 @@
 use super::host::{self, HostStore, Metric};
 use crate::config::SyncConfig;
 use crate::feed::{poll_path, Frame, FrameKind};
-use crate::index::SyncIndex;
-use crate::layout::{bucket_key, encode_bucket, Bucket, FlyEntry, LoadVector, WorkerTable, LOAD_KEY, TABLE_KEY};
-use crate::router::{SharedStore, StoreError};
+use crate::index::{publish, SyncIndex};
+use crate::layout::{bucket_key, LoadVector, WorkerTable, LOAD_KEY, TABLE_KEY};
+use crate::router::SharedStore;
 use std::time::Duration;
 
 const TICK: Duration = Duration::from_millis(100);
-const CAS_ATTEMPTS: u32 = 16;
 
 struct Metrics {
     polls_ok: Metric,
@@ -121,7 +120,7 @@ impl SyncRoot {
                 now - self.last_ok_ms
             );
             self.index.set_live(false);
-            self.write_table();
+            self.publish();
         }
         if self.in_flight.is_none() && now >= self.next_poll_ms {
             self.poll();
@@ -225,50 +224,18 @@ impl SyncRoot {
         self.consecutive_failures = 0;
         self.last_ok_ms = host::now_ms();
         self.index.set_live(true);
-        self.write_buckets();
-        self.write_table();
+        self.publish();
         self.metrics.version.set(self.index.version());
         self.metrics.entries.set(self.index.entries());
         // Long poll: ask again at once.
         self.poll();
     }
 
-    fn write_buckets(&mut self) {
-        for b in self.index.take_dirty() {
-            if self.write_bucket(b) {
-                self.metrics.bucket_writes.inc();
-            } else {
-                self.metrics.write_failures.inc();
-                self.index.mark_dirty(b);
-            }
-        }
-    }
-
-    /// Replaces the index part of bucket `b`, keeping the filters' in-flight part.
-    fn write_bucket(&self, b: u32) -> bool {
-        let key = bucket_key(b);
-        let (mw, n_idx, raw) = self.index.encode_idx(b);
-        for _ in 0..CAS_ATTEMPTS {
-            let Ok((cur, cas)) = HostStore.get(&key) else { return false };
-            let cur = cur.unwrap_or_default();
-            // A value that does not decode (nothing of ours writes one) loses its in-flight
-            // part: the index must be written regardless.
-            let fly: Vec<FlyEntry> = Bucket::parse(&cur).map(|b| b.fly_entries().collect()).unwrap_or_default();
-            match HostStore.set(&key, &encode_bucket(mw, n_idx, &raw, &fly), Some(cas.unwrap_or(0))) {
-                Ok(()) => return true,
-                Err(StoreError::CasMismatch) => continue,
-                Err(StoreError::Other(_)) => return false,
-            }
-        }
-        false
-    }
-
-    fn write_table(&mut self) {
+    /// Writes what changed (buckets, then the table) into shared data.
+    fn publish(&mut self) {
         self.metrics.live.set(u64::from(self.index.is_live()));
-        if let Some(t) = self.index.take_table() {
-            if HostStore.set(TABLE_KEY, &t.encode(), None).is_err() {
-                self.metrics.write_failures.inc();
-            }
-        }
+        let stats = publish(&mut self.index, &HostStore);
+        self.metrics.bucket_writes.add(stats.bucket_writes);
+        self.metrics.write_failures.add(stats.failures);
     }
 }

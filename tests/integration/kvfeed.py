@@ -5,6 +5,7 @@ The real sidecar replaces FeedServer in production; the tests use this one to dr
 filter inside a real Envoy with exactly the bytes the protocol specifies.
 """
 import http.server
+import json
 import random
 import struct
 import threading
@@ -161,6 +162,16 @@ class FeedServer:
 
             def do_GET(self):
                 url = urllib.parse.urlparse(self.path)
+                view = "/v1/admin/cache-view/"
+                if url.path.startswith(view):
+                    # The seed's verification endpoint, as the sidecar serves it.
+                    wid = urllib.parse.unquote(url.path[len(view):])
+                    held = server.state.held.get(wid)
+                    if held is None:
+                        return self._send(404, json.dumps({"error": f"unknown worker {wid}"}).encode(),
+                                          "application/json")
+                    body = json.dumps({"worker_id": wid, "block_count": len(held)})
+                    return self._send(200, body.encode(), "application/json")
                 if url.path != "/v1/kv/feed":
                     return self._send(404, b'{"error":"not found"}', "application/json")
                 if server.fail_with:

@@ -53,7 +53,8 @@ def test_request_goes_to_the_worker_holding_its_prefix(setup):
     assert ranked[0] == s.workers[2].id and len(ranked) == 3
     # The token headers are not forwarded to the engine by default.
     assert "x-prompt-token-ids" not in upstream and "x-prompt-token-ids-b64" not in upstream
-    assert s.envoy.stat("kvroute.scored") == 2
+    # Filter stats reach Envoy in batches (every 200 ms at most).
+    wait_for(lambda: s.envoy.stat("kvroute.scored") == 2, what="scored == 2")
     assert s.envoy.stat("kvroute.blocks_hit") >= 64
 
 
@@ -152,9 +153,10 @@ def test_bad_token_headers_route_by_load(setup, headers, reason):
     status, h, body = s.envoy.request(headers=headers)
     assert status == 200, body
     assert debug(h)["fallback"] == reason
-    assert s.envoy.stat(f"kvroute.fallback.{reason}") == 1
-    if reason == "bad_tokens":
-        assert sum(v for k, v in s.envoy.stats("token_errors").items()) == 1
+    wait_for(lambda: s.envoy.stat(f"kvroute.fallback.{reason}") == 1, what=f"{reason} counted")
+    assert s.envoy.stat("kvroute.requests") == 1
+    errors = sum(v for k, v in s.envoy.stats("token_errors").items())
+    assert errors == (1 if reason == "bad_tokens" else 0)
 
 
 def test_huge_token_header(setup):
@@ -216,6 +218,7 @@ def test_active_blocks_return_to_zero(setup):
     status, _, _ = s.envoy.request(headers={**hdr, "x-test-reset": "1"})
     assert status == 503
     wait_for(lambda: total() == 0, what="release after upstream reset")
+    wait_for(lambda: s.envoy.stat("kvroute.requests") == 3, what="stats flushed")
     assert s.envoy.stat("kvroute.update_failures") == 0
 
 
@@ -309,3 +312,29 @@ def test_router_hashes_match_the_published_vectors():
     v = json.loads((ROOT / "tests" / "vectors" / "block_hashes.json").read_text())
     for case in v["cases"]:
         assert [str(h) for h in block_hashes(case["tokens"], case["block_size"])] == case["seq_hashes"]
+
+
+def test_admin_route_reaches_the_sidecar_through_envoy(setup):
+    """The seed's `curl localhost:8000/v1/admin/cache-view/<worker>` works on Envoy's port."""
+    import json
+    s = setup(n_workers=2)
+    s.state.store(s.workers[0].id, tokens(13, 160))
+    status, _, body = s.envoy.request(f"/v1/admin/cache-view/{s.workers[0].id}", method="GET", body=None)
+    assert status == 200
+    assert json.loads(body) == {"worker_id": s.workers[0].id, "block_count": 10}
+    status, _, body = s.envoy.request("/v1/admin/cache-view/10.9.9.9:1", method="GET", body=None)
+    assert status == 404 and "error" in json.loads(body)
+    # Admin requests are not routed by the filter.
+    assert all(len(w.requests) == 0 for w in s.workers)
+
+
+def test_bad_sync_configuration_stops_envoy_with_a_clear_error(tmp_path):
+    from harness import render_config, free_port
+    import json
+    cfg, _, admin = render_config([], free_port(), sync_config={"n_buckets": 1000})
+    path = tmp_path / "bad-sync.json"
+    path.write_text(json.dumps(cfg))
+    r = subprocess.run([envoy_binary(), "-c", str(path), "--base-id", str(admin)],
+                       capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert r.returncode != 0
+    assert "n_buckets" in r.stdout + r.stderr

@@ -1,0 +1,264 @@
+#!/usr/bin/env python3
+"""In-Envoy overhead of the kvroute filter, side by side in one run.
+
+The same Envoy binary and bootstrap (envoy/envoy.yaml), one worker thread, in front of 16
+fast upstreams (a second Envoy answering `direct_response`), loaded by wrk (by a Python
+closed-loop client for 32k-token prompts, whose ~175 KB header wrk cannot send):
+
+  plain     no wasm filter (the cluster's override_host policy falls back to least_request)
+  notokens  the filter, requests without a token header (same size header under another
+            name): the fixed cost of a wasm filter that reads the table and load
+  cold      the filter, with the sync service fed a fleet of 16 workers holding nothing
+  warm      the filter, every worker holding part of the request's prefix: the scan reads
+            every segment bucket (the most shared-data reads a request of that size makes)
+
+for 2k- and 32k-token prompts (base64 token header; 2k also in decimal). Reports
+throughput relative to plain, added latency, and shared-data reads per request.
+
+    python3 benches/envoy_overhead.py [--duration 10] [--json out.json]
+"""
+import argparse
+import base64
+import json
+import os
+import pathlib
+import re
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests" / "integration"))
+from harness import Envoy, free_port, render_config, wait_for  # noqa: E402
+from kvfeed import FeedServer, FeedState  # noqa: E402
+
+N_WORKERS = 16
+
+
+class Upstream:
+    """A fixed fast upstream: one Envoy, one listener per fake worker, direct responses."""
+
+    def __init__(self, n):
+        self.ports = [free_port() for _ in range(n)]
+        admin = free_port()
+        listeners = [{
+            "name": f"w{i}",
+            "address": {"socket_address": {"address": "127.0.0.1", "port_value": p}},
+            "filter_chains": [{"filters": [{
+                "name": "envoy.filters.network.http_connection_manager",
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.filters.network."
+                             "http_connection_manager.v3.HttpConnectionManager",
+                    "stat_prefix": f"w{i}",
+                    "max_request_headers_kb": 8192,
+                    "route_config": {"virtual_hosts": [{
+                        "name": "all", "domains": ["*"],
+                        "routes": [{"match": {"prefix": "/"},
+                                    "direct_response": {"status": 200,
+                                                        "body": {"inline_string": "ok"}}}]}]},
+                    "http_filters": [{"name": "envoy.filters.http.router", "typed_config": {
+                        "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}],
+                }}]}],
+        } for i, p in enumerate(self.ports)]
+        cfg = {"admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin}}},
+               "static_resources": {"listeners": listeners}}
+        self.dir = tempfile.mkdtemp(prefix="kvroute-upstream-")
+        path = os.path.join(self.dir, "upstream.json")
+        with open(path, "w") as f:
+            json.dump(cfg, f)
+        self.proc = subprocess.Popen(["envoy", "-c", path, "--concurrency", "1", "--base-id", str(admin),
+                                      "-l", "error"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        import urllib.request
+        wait_for(lambda: _ok(f"http://127.0.0.1:{admin}/ready"), timeout=30, what="upstream envoy")
+
+    def stop(self):
+        self.proc.terminate()
+        self.proc.wait(10)
+
+
+def _ok(url):
+    import urllib.request
+    try:
+        with urllib.request.urlopen(url, timeout=1) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+class Port:
+    def __init__(self, port):
+        self.port = port
+
+
+def tokens(n):
+    return [(i * 2654435761) % 151000 for i in range(n)]
+
+
+def wrk(port, header_name, header_value, duration, connections):
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as hv:
+        hv.write(header_value)
+    with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as lua:
+        lua.write(f'local f = io.open("{hv.name}"); local v = f:read("*a"); f:close()\n'
+                  f'wrk.method = "POST"\nwrk.body = "{{}}"\n'
+                  f'wrk.headers["{header_name}"] = v\n')
+    out = subprocess.run(["wrk", "-t1", f"-c{connections}", f"-d{duration}s", "--latency", "-s", lua.name,
+                          f"http://127.0.0.1:{port}/v1/completions"],
+                         capture_output=True, text=True, timeout=duration + 60).stdout
+    os.unlink(hv.name)
+    os.unlink(lua.name)
+    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
+
+    def pct(p):
+        m = re.search(rf"^\s+{p}%\s+([\d.]+)(us|ms|s)", out, re.M)
+        v, unit = float(m.group(1)), m.group(2)
+        return v * {"us": 0.001, "ms": 1, "s": 1000}[unit]
+
+    non2xx = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+    total = int(re.search(r"(\d+) requests in", out).group(1))
+    return {"rps": rps, "p50_ms": pct(50), "p99_ms": pct(99), "requests": total,
+            "non_2xx": int(non2xx.group(1)) if non2xx else 0}
+
+
+def pyload(port, header_name, header_value, duration, connections):
+    """A closed-loop HTTP/1.1 keep-alive client for what wrk cannot send (headers over
+    ~100 KB): one thread per connection, the request bytes built once."""
+    import socket
+    import threading
+    request = (f"POST /v1/completions HTTP/1.1\r\nhost: bench\r\ncontent-length: 2\r\n"
+               f"{header_name}: {header_value}\r\n\r\n{{}}").encode()
+    latencies, errors = [], [0]
+    stop = time.time() + duration
+    lock = threading.Lock()
+
+    def one_connection():
+        sock = socket.create_connection(("127.0.0.1", port))
+        buf = b""
+        mine = []
+        while time.time() < stop:
+            t0 = time.perf_counter()
+            sock.sendall(request)
+            while b"\r\n\r\n" not in buf:
+                buf += sock.recv(65536)
+            head, _, buf = buf.partition(b"\r\n\r\n")
+            length = int(re.search(rb"content-length: (\d+)", head, re.I).group(1))
+            while len(buf) < length:
+                buf += sock.recv(65536)
+            buf = buf[length:]
+            mine.append(time.perf_counter() - t0)
+            if not head.startswith(b"HTTP/1.1 2"):
+                errors[0] += 1
+        sock.close()
+        with lock:
+            latencies.extend(mine)
+
+    threads = [threading.Thread(target=one_connection) for _ in range(connections)]
+    start = time.time()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed = time.time() - start
+    latencies.sort()
+
+    def pct(p):
+        return latencies[min(len(latencies) - 1, int(len(latencies) * p / 100))] * 1000
+
+    return {"rps": len(latencies) / elapsed, "p50_ms": pct(50), "p99_ms": pct(99), "requests": len(latencies),
+            "non_2xx": errors[0]}
+
+
+def load(port, header_name, header_value, duration, connections):
+    # wrk's request buffer cannot hold a 32k-token header (~175 KB).
+    if len(header_value) > 100_000:
+        return pyload(port, header_name, header_value, duration, connections)
+    return wrk(port, header_name, header_value, duration, connections)
+
+
+def run_variant(name, upstream, prompt, encoding, duration, connections):
+    workers = [Port(p) for p in upstream.ports]
+    state = FeedState()
+    state.set_workers([(f"127.0.0.1:{w.port}", "both", True) for w in workers])
+    if name == "warm":
+        for i, w in enumerate(workers):
+            # Worker i holds (i+1)/16 of the prompt: every segment has a holder.
+            n = len(prompt) * (i + 1) // N_WORKERS // 16 * 16
+            state.store(f"127.0.0.1:{w.port}", prompt[:n])
+    feed = FeedServer(state)
+    cfg, lp, ap = render_config(workers, feed.port, {"max_tokens": 131072})
+    if name == "plain":
+        hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+        hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] != "envoy.filters.http.wasm"]
+        del cfg["bootstrap_extensions"]
+    envoy = Envoy(cfg, lp, ap, concurrency=1)
+    try:
+        if name != "plain":
+            wait_for(lambda: envoy.stat("kvroute_sync.version") >= state.version, what="feed applied")
+        if name == "notokens":
+            # The filter runs, the header is one it does not read: its fixed cost alone.
+            header = ("x-unrelated", base64.b64encode(struct.pack(f"<{len(prompt)}I", *prompt)).decode())
+        elif encoding == "base64":
+            header = ("x-prompt-token-ids-b64", base64.b64encode(struct.pack(f"<{len(prompt)}I", *prompt)).decode())
+        else:
+            header = ("x-prompt-token-ids", ",".join(map(str, prompt)))
+        load(lp, *header, 2, connections)  # warm-up
+        before = envoy.stats("kvroute")
+        result = load(lp, *header, duration, connections)
+        after = envoy.stats("kvroute")
+
+        def delta(stat):
+            k = next((k for k in after if k.endswith(stat)), None)
+            return after.get(k, 0) - before.get(k, 0) if k else 0
+
+        reqs = delta("kvroute.requests")
+        if name != "plain":
+            result["shared_reads_per_request"] = round(delta("kvroute.shared_reads") / max(reqs, 1), 2)
+            result["hit_rate"] = round(delta("kvroute.blocks_hit") / max(delta("kvroute.blocks_requested"), 1), 3)
+            result["scored"] = delta("kvroute.scored")
+            result["filter_requests"] = reqs
+        return result
+    finally:
+        envoy.stop()
+        feed.stop()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--duration", type=int, default=10)
+    ap.add_argument("--connections", type=int, default=16)
+    ap.add_argument("--json")
+    ap.add_argument("--cases", default="2048:base64,2048:decimal,32768:base64",
+                    help="comma-separated TOKENS:ENCODING")
+    ap.add_argument("--variants", default="plain,cold,warm")
+    args = ap.parse_args()
+    upstream = Upstream(N_WORKERS)
+    results = []
+    try:
+        for case in args.cases.split(","):
+            n_tokens, encoding = int(case.split(":")[0]), case.split(":")[1]
+            prompt = tokens(n_tokens)
+            row = {"tokens": n_tokens, "encoding": encoding}
+            for variant in args.variants.split(","):
+                row[variant] = run_variant(variant, upstream, prompt, encoding, args.duration, args.connections)
+                print(f"{n_tokens} {encoding} {variant}: {row[variant]}", flush=True)
+            results.append(row)
+    finally:
+        upstream.stop()
+    print()
+    print("| prompt | header | variant | req/s | vs plain | p50 ms | p99 ms | added p50 ms | shared reads/req |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|")
+    for row in results:
+        plain = row.get("plain")
+        for v in args.variants.split(","):
+            r = row[v]
+            if not plain:
+                plain = r
+            print(f"| {row['tokens']} | {row['encoding']} | {v} | {r['rps']:.0f} | {r['rps'] / plain['rps']:.2f} | "
+                  f"{r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {r['p50_ms'] - plain['p50_ms']:+.2f} | "
+                  f"{r.get('shared_reads_per_request', '-')} |")
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
