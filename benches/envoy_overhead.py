@@ -15,7 +15,7 @@ closed-loop client for 32k-token prompts, whose ~175 KB header wrk cannot send):
 for 2k- and 32k-token prompts (base64 token header; 2k also in decimal). Reports
 throughput relative to plain, added latency, and shared-data reads per request.
 
-    python3 benches/envoy_overhead.py [--duration 10] [--json out.json]
+    python3 benches/envoy_overhead.py [--rounds 3] [--duration 8] [--json out.json]
 """
 import argparse
 import base64
@@ -23,6 +23,7 @@ import json
 import os
 import pathlib
 import re
+import statistics
 import struct
 import subprocess
 import sys
@@ -34,6 +35,9 @@ from harness import Envoy, free_port, render_config, wait_for  # noqa: E402
 from kvfeed import FeedServer, FeedState  # noqa: E402
 
 N_WORKERS = 16
+# The Envoy under test gets core 0 to itself; this script, its load generator, the feed
+# server and the upstream Envoy share core 1. (On a machine with one core, no pinning.)
+ENVOY_CPU = "0" if os.cpu_count() and os.cpu_count() >= 2 else None
 
 
 class Upstream:
@@ -190,7 +194,7 @@ def run_variant(name, upstream, prompt, encoding, duration, connections):
         hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
         hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] != "envoy.filters.http.wasm"]
         del cfg["bootstrap_extensions"]
-    envoy = Envoy(cfg, lp, ap, concurrency=1)
+    envoy = Envoy(cfg, lp, ap, concurrency=1, cpus=ENVOY_CPU)
     try:
         if name != "plain":
             wait_for(lambda: envoy.stat("kvroute_sync.version") >= state.version, what="feed applied")
@@ -203,7 +207,9 @@ def run_variant(name, upstream, prompt, encoding, duration, connections):
             header = ("x-prompt-token-ids", ",".join(map(str, prompt)))
         load(lp, *header, 2, connections)  # warm-up
         before = envoy.stats("kvroute")
+        cpu0 = envoy.cpu_seconds()
         result = load(lp, *header, duration, connections)
+        result["envoy_cpu_us_per_request"] = (envoy.cpu_seconds() - cpu0) / max(result["requests"], 1) * 1e6
         after = envoy.stats("kvroute")
 
         def delta(stat):
@@ -224,38 +230,58 @@ def run_variant(name, upstream, prompt, encoding, duration, connections):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--duration", type=int, default=10)
+    ap.add_argument("--duration", type=int, default=8, help="seconds per measurement")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="variants are measured round-robin this many times; medians are reported")
     ap.add_argument("--connections", type=int, default=16)
     ap.add_argument("--json")
     ap.add_argument("--cases", default="2048:base64,2048:decimal,32768:base64",
                     help="comma-separated TOKENS:ENCODING")
-    ap.add_argument("--variants", default="plain,cold,warm")
+    ap.add_argument("--variants", default="plain,notokens,cold,warm")
     args = ap.parse_args()
+    if ENVOY_CPU is not None:
+        os.sched_setaffinity(0, {1})  # inherited by wrk and the upstream Envoy
+    variants = args.variants.split(",")
+    if variants[0] != "plain":
+        variants.insert(0, "plain")
     upstream = Upstream(N_WORKERS)
     results = []
     try:
         for case in args.cases.split(","):
             n_tokens, encoding = int(case.split(":")[0]), case.split(":")[1]
             prompt = tokens(n_tokens)
+            runs = {v: [] for v in variants}
+            # Round-robin, so drift in the shared machine's speed hits every variant alike;
+            # each ratio is against the plain run of its own round.
+            for rnd in range(args.rounds):
+                for variant in variants:
+                    r = run_variant(variant, upstream, prompt, encoding, args.duration, args.connections)
+                    base = runs["plain"][-1] if variant != "plain" else r
+                    r["ratio"] = r["rps"] / base["rps"]
+                    r["cpu_ratio"] = r["envoy_cpu_us_per_request"] / base["envoy_cpu_us_per_request"]
+                    runs[variant].append(r)
+                    print(f"{n_tokens} {encoding} round {rnd} {variant}: {r}", flush=True)
             row = {"tokens": n_tokens, "encoding": encoding}
-            for variant in args.variants.split(","):
-                row[variant] = run_variant(variant, upstream, prompt, encoding, args.duration, args.connections)
-                print(f"{n_tokens} {encoding} {variant}: {row[variant]}", flush=True)
+            for v in variants:
+                rs = runs[v]
+                row[v] = {k: statistics.median(r[k] for r in rs) for k in rs[0] if isinstance(rs[0][k], (int, float))}
+                row[v]["ratios"] = [round(r["ratio"], 3) for r in rs]
+                row[v]["cpu_ratios"] = [round(r["cpu_ratio"], 3) for r in rs]
             results.append(row)
     finally:
         upstream.stop()
     print()
-    print("| prompt | header | variant | req/s | vs plain | p50 ms | p99 ms | added p50 ms | shared reads/req |")
-    print("|---|---|---|---:|---:|---:|---:|---:|---:|")
+    print("| prompt | header | variant | req/s | vs plain (median) | per round | Envoy CPU/req | CPU vs plain "
+          "| p50 ms | p99 ms | shared reads/req |")
+    print("|---|---|---|---:|---:|---|---:|---:|---:|---:|---:|")
     for row in results:
-        plain = row.get("plain")
-        for v in args.variants.split(","):
+        plain = row["plain"]
+        for v in variants:
             r = row[v]
-            if not plain:
-                plain = r
-            print(f"| {row['tokens']} | {row['encoding']} | {v} | {r['rps']:.0f} | {r['rps'] / plain['rps']:.2f} | "
-                  f"{r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {r['p50_ms'] - plain['p50_ms']:+.2f} | "
-                  f"{r.get('shared_reads_per_request', '-')} |")
+            print(f"| {row['tokens']} | {row['encoding']} | {v} | {r['rps']:.0f} | {r['ratio']:.2f} | "
+                  f"{' '.join(f'{x:.2f}' for x in r['ratios'])} | {r['envoy_cpu_us_per_request']:.0f} µs | "
+                  f"{r['cpu_ratio']:.2f} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | "
+                  f"{r.get('shared_reads_per_request', '–')} |")
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(results, indent=1))
 

@@ -482,9 +482,11 @@ fn write_bucket(index: &SyncIndex, store: &dyn SharedStore, b: u32) -> bool {
         let cur = cur.unwrap_or_default();
         // A value that does not decode (nothing of ours writes one) loses its in-flight
         // part: the index must be written regardless.
-        let (n_old, old) = Bucket::parse(&cur).map(|b| b.fly_raw()).unwrap_or((0, &[]));
+        let parsed = Bucket::parse(&cur).unwrap_or(Bucket::EMPTY);
+        let (n_old, old) = parsed.fly_raw();
         let n_fly = index.drop_confirmed(b, old, n_old, &mut fly);
-        match store.set(&key, &encode_bucket(mw, n_idx, &raw, n_fly, &fly), Some(cas.unwrap_or(0))) {
+        let value = encode_bucket(mw, n_idx, &raw, n_fly, &fly, parsed.sweep_at_ms());
+        match store.set(&key, &value, Some(cas.unwrap_or(0))) {
             Ok(()) => return true,
             Err(StoreError::CasMismatch) => continue,
             Err(StoreError::Other(_)) => return false,
@@ -513,7 +515,7 @@ mod tests {
     fn holders(ix: &SyncIndex, hash: u64, anchor: u64) -> Vec<usize> {
         let b = bucket_of(anchor, ix.n_buckets());
         let (mw, n, raw) = ix.encode_idx(b);
-        let bytes = encode_bucket(mw, n, &raw, 0, &[]);
+        let bytes = encode_bucket(mw, n, &raw, 0, &[], 0);
         let mut s = SlotSet::EMPTY;
         Bucket::parse(&bytes).unwrap().holders(hash, 0, false, &mut s);
         s.iter().collect()
@@ -647,7 +649,7 @@ mod tests {
             FlyEntry { hash: 7, slot: 1, refs: 1, until_ms: 99 },
             FlyEntry { hash: 8, slot: 0, refs: 0, until_ms: 99 },
         ];
-        store.set(&key, &encode_bucket(1, 0, &[], 3, &fly_raw_of(&fly)), None).unwrap();
+        store.set(&key, &encode_bucket(1, 0, &[], 3, &fly_raw_of(&fly), 0), None).unwrap();
         // The engines confirm 7 on both slots.
         let d = Op::Store { worker: 0, blocks: vec![blk(7)] };
         let d2 = Op::Store { worker: 1, blocks: vec![blk(7)] };

@@ -50,16 +50,42 @@ pub enum Change {
     Release { linger_ms: u64 },
 }
 
-/// Rewrites a bucket's in-flight part (`n` entries in `old`, sorted by (hash, slot)) into
-/// `out` in one merge pass, and returns the new entry count and the change of
-/// `active_blocks` per slot. On the way, dead entries are dropped: expired predictions,
-/// and in-flight entries whose lease ran out (those were counted active, so they count
-/// −1). `hashes` must be sorted and free of duplicates; `slots` likewise.
+/// How often a writer sweeps a whole bucket's in-flight part for dead entries. Between
+/// sweeps writers touch only their own entries, so a request's cost does not grow with the
+/// number of other blocks in flight in the same bucket.
+pub const SWEEP_INTERVAL_MS: u64 = 1_000;
+
+/// Copies the in-flight entries (`n` in `old`, sorted) that are still alive at `now_ms`
+/// into `out`, and returns their count and the change of `active_blocks`: an in-flight
+/// entry whose lease ran out (a stream that never released, e.g. its VM died) was counted
+/// active and counts −1 now. Expired predictions just go.
+pub fn sweep(old: &[u8], n: usize, now_ms: u64, out: &mut Vec<u8>) -> (usize, ActiveDelta) {
+    out.clear();
+    out.reserve(old.len());
+    let mut delta = ActiveDelta::default();
+    for raw in old.chunks_exact(FLY_ENTRY).take(n) {
+        let e = FlyEntry::decode(raw);
+        if e.live(now_ms) {
+            out.extend_from_slice(raw);
+        } else if e.refs > 0 {
+            delta.add(usize::from(e.slot), -1);
+        }
+    }
+    (out.len() / FLY_ENTRY, delta)
+}
+
+/// Applies `change` for every `(hash, slot)` of `hashes × slots` to the in-flight entries
+/// (`n` in `old`, sorted by (hash, slot)), writing the result to `out`; returns the new
+/// count and the change of `active_blocks` per slot. `hashes` and `slots` must be sorted
+/// and free of duplicates. Entries of other keys are copied in runs, not decoded: the cost
+/// is one binary search per key plus a memcpy of the bucket.
 ///
-/// Acquire: a block not in flight on the slot becomes active (+1); release: a block whose
-/// last reference goes becomes inactive (−1). A release of an entry already gone (its
-/// lease expired and it was collected) changes nothing: its −1 was counted then.
-pub fn rewrite(
+/// Acquire: a block not in flight on the slot becomes active (+1), its entry leased for
+/// `lease_ms`. Release: a block whose last reference goes becomes inactive (−1) and stays
+/// a prediction for `linger_ms` (0: removed). A touched entry that is dead is treated as
+/// absent (an expired lease counts −1 on the way), so releasing an entry already swept
+/// changes nothing: its −1 was counted when it was swept.
+pub fn apply(
     old: &[u8],
     n: usize,
     hashes: &[u64],
@@ -73,71 +99,74 @@ pub fn rewrite(
         old.len() + if matches!(change, Change::Acquire { .. }) { hashes.len() * slots.len() * FLY_ENTRY } else { 0 },
     );
     let mut delta = ActiveDelta::default();
-    let keys = hashes.iter().flat_map(|&h| slots.iter().map(move |&s| (h, s)));
-    let mut keys = keys.peekable();
-    let emit = |e: &FlyEntry, out: &mut Vec<u8>| e.encode_into(out);
-    for i in 0..n {
-        let raw = &old[i * FLY_ENTRY..(i + 1) * FLY_ENTRY];
-        let e = FlyEntry::decode(raw);
-        // Keys before this entry are not present: new entries on acquire.
-        while let Some(&(h, s)) = keys.peek() {
-            if (h, s) >= (e.hash, e.slot) {
-                break;
+    let key_at = |i: usize| {
+        let b = &old[i * FLY_ENTRY..];
+        (crate::layout::le_u64(b), u16::from_le_bytes([b[8], b[9]]))
+    };
+    let mut pos = 0usize;
+    for &hash in hashes {
+        for &slot in slots {
+            // First entry at or after (hash, slot), galloping forward from `pos`: keys are
+            // sorted, so the next one is usually close.
+            let (mut lo, mut hi) = (pos, pos);
+            let mut step = 1;
+            while hi < n && key_at(hi) < (hash, slot) {
+                lo = hi + 1;
+                hi = (hi + step).min(n);
+                step *= 2;
             }
-            keys.next();
-            if let Change::Acquire { lease_ms } = change {
-                emit(&FlyEntry { hash: h, slot: s, refs: 1, until_ms: now_ms.saturating_add(lease_ms) }, out);
-                delta.add(usize::from(s), 1);
-            }
-        }
-        let touched = keys.peek() == Some(&(e.hash, e.slot));
-        if touched {
-            keys.next();
-        }
-        let slot = usize::from(e.slot);
-        let alive = e.live(now_ms);
-        if !alive && e.refs > 0 {
-            // A stream that never released (its VM died): it was active, it is no more.
-            delta.add(slot, -1);
-        }
-        match (touched, change) {
-            (false, _) => {
-                if alive {
-                    out.extend_from_slice(raw);
-                }
-            }
-            (true, Change::Acquire { lease_ms }) => {
-                let refs = if alive { e.refs } else { 0 };
-                if refs == 0 {
-                    delta.add(slot, 1);
-                }
-                let until_ms = now_ms.saturating_add(lease_ms);
-                let until_ms = if alive { e.until_ms.max(until_ms) } else { until_ms };
-                emit(&FlyEntry { refs: refs.saturating_add(1), until_ms, ..e }, out);
-            }
-            (true, Change::Release { linger_ms }) => {
-                if !alive {
-                    continue;
-                }
-                if e.refs == 0 {
-                    out.extend_from_slice(raw);
-                } else if e.refs > 1 {
-                    emit(&FlyEntry { refs: e.refs - 1, ..e }, out);
+            while lo < hi {
+                let mid = (lo + hi) / 2;
+                if key_at(mid) < (hash, slot) {
+                    lo = mid + 1;
                 } else {
-                    delta.add(slot, -1);
-                    if linger_ms > 0 {
-                        emit(&FlyEntry { refs: 0, until_ms: now_ms.saturating_add(linger_ms), ..e }, out);
-                    }
+                    hi = mid;
                 }
+            }
+            out.extend_from_slice(&old[pos * FLY_ENTRY..lo * FLY_ENTRY]);
+            pos = lo;
+            let existing = if lo < n && key_at(lo) == (hash, slot) {
+                pos += 1;
+                let e = FlyEntry::decode(&old[lo * FLY_ENTRY..(lo + 1) * FLY_ENTRY]);
+                if e.live(now_ms) {
+                    Some(e)
+                } else {
+                    if e.refs > 0 {
+                        delta.add(usize::from(slot), -1);
+                    }
+                    None
+                }
+            } else {
+                None
+            };
+            let updated = match (change, existing) {
+                (Change::Acquire { lease_ms }, e) => {
+                    let until_ms = now_ms.saturating_add(lease_ms);
+                    let (refs, until_ms) = match e {
+                        Some(e) => (e.refs, e.until_ms.max(until_ms)),
+                        None => (0, until_ms),
+                    };
+                    if refs == 0 {
+                        delta.add(usize::from(slot), 1);
+                    }
+                    Some(FlyEntry { hash, slot, refs: refs.saturating_add(1), until_ms })
+                }
+                (Change::Release { .. }, None) => None,
+                (Change::Release { linger_ms }, Some(e)) => match e.refs {
+                    0 => Some(e),
+                    1 => {
+                        delta.add(usize::from(slot), -1);
+                        (linger_ms > 0).then(|| FlyEntry { refs: 0, until_ms: now_ms.saturating_add(linger_ms), ..e })
+                    }
+                    r => Some(FlyEntry { refs: r - 1, ..e }),
+                },
+            };
+            if let Some(e) = updated {
+                e.encode_into(out);
             }
         }
     }
-    if let Change::Acquire { lease_ms } = change {
-        for (h, s) in keys {
-            emit(&FlyEntry { hash: h, slot: s, refs: 1, until_ms: now_ms.saturating_add(lease_ms) }, out);
-            delta.add(usize::from(s), 1);
-        }
-    }
+    out.extend_from_slice(&old[pos * FLY_ENTRY..n * FLY_ENTRY]);
     (out.len() / FLY_ENTRY, delta)
 }
 
@@ -154,7 +183,10 @@ mod tests {
         sorted.sort_unstable();
         sorted.dedup();
         let mut out = Vec::new();
-        let (n, d) = rewrite(&fly_raw_of(entries), entries.len(), &sorted, &[slot], change, now, &mut out);
+        let mut swept = Vec::new();
+        let (n0, mut d) = sweep(&fly_raw_of(entries), entries.len(), now, &mut swept);
+        let (n, d2) = super::apply(&swept, n0, &sorted, &[slot], change, now, &mut out);
+        d.merge(&d2);
         assert_eq!(out.len(), n * FLY_ENTRY);
         *entries = out.chunks_exact(FLY_ENTRY).map(FlyEntry::decode).collect();
         assert!(entries.windows(2).all(|w| (w[0].hash, w[0].slot) < (w[1].hash, w[1].slot)), "sorted");
@@ -206,6 +238,7 @@ mod tests {
                                        // An unrelated change at 200 collects the dead lease (−1) and the prediction.
         let d = apply(&mut e, &[9], 2, Change::Acquire { lease_ms: 1000 }, 200);
         assert_eq!(d, ActiveDelta(vec![(0, -1), (2, 1)]));
+        // Without a sweep, a dead entry that is touched is still accounted exactly.
         assert_eq!(e.iter().map(|x| (x.hash, x.slot)).collect::<Vec<_>>(), vec![(4, 1), (9, 2)]);
         // The stream that lost its lease releases later: nothing counted twice.
         assert_eq!(rel(&mut e, &[1], 0, 300, 50), 0);
@@ -215,6 +248,21 @@ mod tests {
         let d = apply(&mut e, &[1], 0, Change::Acquire { lease_ms: 100 }, 500);
         assert!(d.is_zero(), "{d:?}");
         assert_eq!(e[0].refs, 1);
+    }
+
+    #[test]
+    fn touched_dead_entries_are_accounted_without_a_sweep() {
+        let mut out = Vec::new();
+        // In flight with a lease to 100, never released; untouched prediction expired at 50.
+        let old = fly_raw_of(&[
+            FlyEntry { hash: 1, slot: 0, refs: 1, until_ms: 100 },
+            FlyEntry { hash: 2, slot: 0, refs: 0, until_ms: 50 },
+        ]);
+        let (n, d) = super::apply(&old, 2, &[1], &[0], Change::Acquire { lease_ms: 100 }, 500, &mut out);
+        assert!(d.is_zero(), "−1 for the dead lease, +1 for the new one: {d:?}");
+        assert_eq!(n, 2, "the untouched dead prediction waits for the sweep");
+        let (n, d) = super::apply(&old, 2, &[1], &[0], Change::Release { linger_ms: 10 }, 500, &mut out);
+        assert_eq!((n, d), (1, ActiveDelta(vec![(0, -1)])), "a dead lease released: counted once, gone");
     }
 
     #[test]
@@ -230,8 +278,15 @@ mod tests {
         let mut e = Vec::new();
         acq(&mut e, &[5], 3, 0, 1000);
         let mut out = Vec::new();
-        let (n, d) =
-            rewrite(&fly_raw_of(&e), e.len(), &[1, 5, 9], &[1, 3], Change::Acquire { lease_ms: 1000 }, 0, &mut out);
+        let (n, d) = super::apply(
+            &fly_raw_of(&e),
+            e.len(),
+            &[1, 5, 9],
+            &[1, 3],
+            Change::Acquire { lease_ms: 1000 },
+            0,
+            &mut out,
+        );
         assert_eq!(n, 6);
         assert_eq!(d, ActiveDelta(vec![(1, 3), (3, 2)]));
     }

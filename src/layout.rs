@@ -116,7 +116,7 @@ impl<'a> Reader<'a> {
 }
 
 #[inline]
-pub(crate) fn le_u64(b: &[u8]) -> u64 {
+pub fn le_u64(b: &[u8]) -> u64 {
     let mut a = [0u8; 8];
     a.copy_from_slice(&b[..8]);
     u64::from_le_bytes(a)
@@ -306,7 +306,7 @@ impl FlyEntry {
 }
 
 const BUCKET_FORMAT: u16 = 1;
-const BUCKET_HEADER: usize = 12;
+const BUCKET_HEADER: usize = 20;
 /// Bytes of one in-flight entry.
 pub const FLY_ENTRY: usize = 20;
 
@@ -314,7 +314,7 @@ pub const FLY_ENTRY: usize = 20;
 /// deleted, so "removed" is "stored empty").
 ///
 /// ```text
-/// u16 format = 1 | u16 mask_words | u32 n_idx | u32 n_fly
+/// u16 format = 1 | u16 mask_words | u32 n_idx | u32 n_fly | u64 sweep_at_ms
 /// n_idx × (u64 hash, mask_words × u64 holder mask)      sorted by hash   (sync-owned)
 /// n_fly × (u64 hash, u16 slot, u16 refs, u64 until_ms)   sorted by (hash, slot) (filter-owned)
 /// ```
@@ -325,10 +325,11 @@ pub struct Bucket<'a> {
     idx: &'a [u8],
     n_fly: usize,
     fly: &'a [u8],
+    sweep_at_ms: u64,
 }
 
 impl<'a> Bucket<'a> {
-    pub const EMPTY: Bucket<'static> = Bucket { mask_words: 0, n_idx: 0, idx: &[], n_fly: 0, fly: &[] };
+    pub const EMPTY: Bucket<'static> = Bucket { mask_words: 0, n_idx: 0, idx: &[], n_fly: 0, fly: &[], sweep_at_ms: 0 };
 
     pub fn parse(bytes: &'a [u8]) -> Result<Bucket<'a>, LayoutError> {
         if bytes.is_empty() {
@@ -344,6 +345,7 @@ impl<'a> Bucket<'a> {
         }
         let n_idx = r.u32("index count")? as usize;
         let n_fly = r.u32("in-flight count")? as usize;
+        let sweep_at_ms = r.u64("sweep time")?;
         let idx_len = n_idx.checked_mul(8 + 8 * mask_words).ok_or(LayoutError("index size"))?;
         let fly_len = n_fly.checked_mul(FLY_ENTRY).ok_or(LayoutError("in-flight size"))?;
         if r.remaining() != idx_len.saturating_add(fly_len) {
@@ -351,7 +353,7 @@ impl<'a> Bucket<'a> {
         }
         let idx = r.take(idx_len, "index entries")?;
         let fly = r.take(fly_len, "in-flight entries")?;
-        Ok(Bucket { mask_words, n_idx, idx, n_fly, fly })
+        Ok(Bucket { mask_words, n_idx, idx, n_fly, fly, sweep_at_ms })
     }
 
     pub fn n_idx(&self) -> usize {
@@ -440,6 +442,12 @@ impl<'a> Bucket<'a> {
     pub fn fly_raw(&self) -> (usize, &'a [u8]) {
         (self.n_fly, self.fly)
     }
+
+    /// When the next writer should sweep dead in-flight entries out of the whole bucket
+    /// (writers in between only touch their own entries).
+    pub fn sweep_at_ms(&self) -> u64 {
+        self.sweep_at_ms
+    }
 }
 
 impl FlyEntry {
@@ -461,7 +469,14 @@ impl FlyEntry {
 }
 
 /// Encodes a bucket from its two raw parts. Both parts empty encode to an empty value.
-pub fn encode_bucket(mask_words: usize, n_idx: usize, idx_raw: &[u8], n_fly: usize, fly_raw: &[u8]) -> Vec<u8> {
+pub fn encode_bucket(
+    mask_words: usize,
+    n_idx: usize,
+    idx_raw: &[u8],
+    n_fly: usize,
+    fly_raw: &[u8],
+    sweep_at_ms: u64,
+) -> Vec<u8> {
     if n_idx == 0 && n_fly == 0 {
         return Vec::new();
     }
@@ -470,6 +485,7 @@ pub fn encode_bucket(mask_words: usize, n_idx: usize, idx_raw: &[u8], n_fly: usi
     out.extend_from_slice(&(mask_words as u16).to_le_bytes());
     out.extend_from_slice(&(n_idx as u32).to_le_bytes());
     out.extend_from_slice(&(n_fly as u32).to_le_bytes());
+    out.extend_from_slice(&sweep_at_ms.to_le_bytes());
     out.extend_from_slice(idx_raw);
     out.extend_from_slice(fly_raw);
     out
@@ -540,7 +556,7 @@ mod tests {
             FlyEntry { hash: 5, slot: 3, refs: 1, until_ms: 100 },
             FlyEntry { hash: 9, slot: 4, refs: 0, until_ms: 50 },
         ];
-        let bytes = encode_bucket(1, 2, &idx, fly.len(), &fly_raw_of(&fly));
+        let bytes = encode_bucket(1, 2, &idx, fly.len(), &fly_raw_of(&fly), 7);
         let b = Bucket::parse(&bytes).unwrap();
         let mut s = SlotSet::EMPTY;
         b.holders(5, 60, true, &mut s);
@@ -558,7 +574,8 @@ mod tests {
         for cut in 1..bytes.len() {
             assert!(Bucket::parse(&bytes[..cut]).is_err(), "cut {cut}");
         }
-        assert_eq!(encode_bucket(1, 0, &[], 0, &[]), Vec::<u8>::new());
+        assert_eq!(encode_bucket(1, 0, &[], 0, &[], 0), Vec::<u8>::new());
+        assert_eq!(b.sweep_at_ms(), 7);
         assert_eq!(Bucket::parse(&[]).unwrap().n_idx(), 0);
     }
 

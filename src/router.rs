@@ -9,7 +9,8 @@ use crate::config::{FilterConfig, Mode};
 use crate::hash::block_hashes_le;
 use crate::inflight::{self, ActiveDelta, Change};
 use crate::layout::{
-    bucket_key, bucket_of, encode_bucket, segments, Bucket, LoadVector, SlotState, WorkerTable, LOAD_KEY, TABLE_KEY,
+    bucket_key, bucket_of, encode_bucket, segments, Bucket, LoadVector, Role, SlotState, WorkerTable, LOAD_KEY,
+    TABLE_KEY,
 };
 use crate::score::{rank, worker_key, Candidate, Scored};
 use crate::slots::{SlotSet, MAX_SLOTS};
@@ -166,23 +167,81 @@ impl Router {
     /// ties for requests without blocks.
     pub fn route(&mut self, store: &dyn SharedStore, tokens: TokenSource<'_>, now_ms: u64, entropy: u64) -> Decision {
         let mut d = Decision::default();
+        let Some(table) = read_table(store, &mut d) else { return d };
+        let hashes = self.prompt_hashes(tokens, &table, &mut d);
         d.shared_reads += 1;
-        let table = match store.get(TABLE_KEY) {
-            Ok((Some(v), _)) if !v.is_empty() => match WorkerTable::decode(&v) {
-                Ok(t) => t,
-                Err(_) => {
-                    d.layout_errors += 1;
-                    d.fallback = Some(Fallback::NoTable);
-                    return d;
-                }
-            },
-            _ => {
-                d.fallback = Some(Fallback::NoTable);
-                return d;
-            }
+        let load = match store.get(LOAD_KEY) {
+            Ok((v, cas)) => (LoadVector::decode(v.as_deref().unwrap_or(&[])), cas),
+            Err(_) => (LoadVector::default(), None),
         };
 
-        // Hash the prompt (or say why not).
+        let (decode_set, prefill_set) = match self.cfg.mode {
+            Mode::Aggregated => (up_slots(&table, |r| r == Role::Both), SlotSet::EMPTY),
+            Mode::Pd => (up_slots(&table, Role::can_decode), up_slots(&table, Role::can_prefill)),
+        };
+        if decode_set.is_empty() {
+            d.fallback = Some(Fallback::NoWorkerUp);
+            return d;
+        }
+        // With a stale index nothing is a hit (load only); in-flight entries are still
+        // written below, so active_blocks stays exact.
+        let mut candidates = SlotSet::EMPTY;
+        if table.index_live {
+            candidates = decode_set;
+            for s in prefill_set.iter() {
+                candidates.insert(s);
+            }
+        }
+        let (hits, scanned) = self.scan(store, &hashes, candidates, table.n_buckets, now_ms, &mut d);
+
+        // Choose: in PD mode the prefill worker first, then the destination list.
+        let request_key = hashes.first().copied().unwrap_or(entropy);
+        let mut chosen: Vec<u16> = Vec::with_capacity(2);
+        if self.cfg.mode == Mode::Pd {
+            if prefill_set.is_empty() {
+                d.fallback.get_or_insert(Fallback::NoPrefillWorker);
+            } else {
+                self.rank_set(
+                    &table,
+                    &prefill_set,
+                    &hits,
+                    &load.0,
+                    self.cfg.prefill_overlap_weight,
+                    d.request_blocks,
+                    request_key,
+                );
+                if let Some(best) = self.scored.first() {
+                    d.prefiller = Some(table.slots[best.candidate.slot].id.clone());
+                    chosen.push(best.candidate.slot as u16);
+                }
+            }
+        }
+        let weight = match self.cfg.mode {
+            Mode::Aggregated => self.cfg.overlap_weight,
+            Mode::Pd => self.cfg.decode_overlap_weight,
+        };
+        self.rank_set(&table, &decode_set, &hits, &load.0, weight, d.request_blocks, request_key);
+        for s in self.scored.iter().take(self.cfg.max_endpoints) {
+            d.destinations.push(table.slots[s.candidate.slot].id.clone());
+        }
+        if let Some(best) = self.scored.first() {
+            d.hits = best.candidate.cache_hits;
+            d.cost = best.cost;
+            let slot = best.candidate.slot as u16;
+            if !chosen.contains(&slot) {
+                chosen.push(slot);
+            }
+        }
+
+        if !hashes.is_empty() {
+            chosen.sort_unstable();
+            d.held = self.acquire(store, &mut d, &hashes, table.n_buckets, chosen, scanned, load, now_ms);
+        }
+        d
+    }
+
+    /// The request's block hashes, or none with the reason in `d.fallback`.
+    fn prompt_hashes(&mut self, tokens: TokenSource<'_>, table: &WorkerTable, d: &mut Decision) -> Vec<u64> {
         let mut hashes = Vec::new();
         match tokens {
             TokenSource::Missing => d.fallback = Some(Fallback::NoTokens),
@@ -200,134 +259,72 @@ impl Router {
             d.fallback = Some(Fallback::BlockSizeMismatch);
             hashes.clear();
         }
-        d.request_blocks = hashes.len() as u32;
-        let use_index = table.index_live;
-        if !hashes.is_empty() && !use_index {
+        if !hashes.is_empty() && !table.index_live {
             d.fallback = Some(Fallback::IndexStale);
         }
+        d.request_blocks = hashes.len() as u32;
+        hashes
+    }
 
-        d.shared_reads += 1;
-        let (load, load_cas) = match store.get(LOAD_KEY) {
-            Ok((v, cas)) => (LoadVector::decode(v.as_deref().unwrap_or(&[])), cas),
-            Err(_) => (LoadVector::default(), None),
-        };
-
-        let up = |role_ok: fn(crate::layout::Role) -> bool| -> SlotSet {
-            let mut s = SlotSet::EMPTY;
-            for (slot, w) in table.slots.iter().enumerate().take(MAX_SLOTS) {
-                if w.state == SlotState::Up && role_ok(w.role) {
-                    s.insert(slot);
-                }
+    /// Reads the request's segment buckets in order and returns, per slot, the number of
+    /// leading blocks it holds (`cache_hits`), for the slots in `alive`. Stops at the first
+    /// segment where no slot is left. Returns the values read, for the in-flight update.
+    fn scan(
+        &self,
+        store: &dyn SharedStore,
+        hashes: &[u64],
+        mut alive: SlotSet,
+        n_buckets: u32,
+        now_ms: u64,
+        d: &mut Decision,
+    ) -> (Vec<u32>, Vec<ScannedBucket>) {
+        let mut hits = vec![0u32; MAX_SLOTS];
+        let mut scanned = Vec::new();
+        for seg in segments(hashes.len()) {
+            if alive.is_empty() {
+                break;
             }
-            s
-        };
-        let (decode_set, prefill_set) = match self.cfg.mode {
-            Mode::Aggregated => (up(|r| r == crate::layout::Role::Both), SlotSet::EMPTY),
-            Mode::Pd => (up(|r| r.can_decode()), up(|r| r.can_prefill())),
-        };
-        if decode_set.is_empty() {
-            d.fallback = Some(Fallback::NoWorkerUp);
-            return d;
-        }
-
-        // Scan segment buckets: hits[slot] = leading blocks held.
-        let mut hits = vec![0u32; table.slots.len()];
-        let mut scanned: Vec<ScannedBucket> = Vec::new();
-        if !hashes.is_empty() {
-            // With a stale index nothing is a hit (load only); in-flight entries are still
-            // written below, so active_blocks stays exact.
-            let mut alive = SlotSet::EMPTY;
-            if use_index {
-                alive = decode_set;
-                for s in prefill_set.iter() {
-                    alive.insert(s);
+            d.shared_reads += 1;
+            let (value, cas) = store.get(&bucket_key(bucket_of(hashes[seg.start], n_buckets))).unwrap_or((None, None));
+            let bucket = match value.as_deref().map(Bucket::parse).unwrap_or(Ok(Bucket::EMPTY)) {
+                Ok(b) => b,
+                Err(_) => {
+                    d.layout_errors += 1;
+                    Bucket::EMPTY
                 }
-            }
-            for seg in segments(hashes.len()) {
+            };
+            for pos in seg {
+                let mut holders = SlotSet::EMPTY;
+                bucket.holders(hashes[pos], now_ms, self.cfg.predict_on_route, &mut holders);
+                let still = alive.intersection(&holders);
+                for slot in alive.difference(&still).iter() {
+                    hits[slot] = pos as u32;
+                }
+                alive = still;
                 if alive.is_empty() {
                     break;
                 }
-                let key = bucket_key(bucket_of(hashes[seg.start], table.n_buckets));
-                d.shared_reads += 1;
-                let (value, cas) = store.get(&key).unwrap_or((None, None));
-                let bucket = match value.as_deref().map(Bucket::parse).unwrap_or(Ok(Bucket::EMPTY)) {
-                    Ok(b) => b,
-                    Err(_) => {
-                        d.layout_errors += 1;
-                        Bucket::EMPTY
-                    }
-                };
-                for pos in seg.clone() {
-                    let mut holders = SlotSet::EMPTY;
-                    bucket.holders(hashes[pos], now_ms, self.cfg.predict_on_route, &mut holders);
-                    let still = alive.intersection(&holders);
-                    for slot in alive.difference(&still).iter() {
-                        if let Some(h) = hits.get_mut(slot) {
-                            *h = pos as u32;
-                        }
-                    }
-                    alive = still;
-                    if alive.is_empty() {
-                        break;
-                    }
-                }
-                scanned.push(ScannedBucket { value, cas });
             }
-            for slot in alive.iter() {
-                if let Some(h) = hits.get_mut(slot) {
-                    *h = hashes.len() as u32;
-                }
-            }
+            scanned.push(ScannedBucket { value, cas });
         }
-
-        let request_key = hashes.first().copied().unwrap_or(entropy);
-        let mut chosen: Vec<u16> = Vec::with_capacity(2);
-
-        if self.cfg.mode == Mode::Pd {
-            if prefill_set.is_empty() {
-                d.fallback.get_or_insert(Fallback::NoPrefillWorker);
-            } else {
-                self.fill_candidates(&table, &prefill_set, &hits, &load);
-                rank(
-                    &self.candidates,
-                    self.cfg.prefill_overlap_weight,
-                    d.request_blocks,
-                    request_key,
-                    &mut self.scored,
-                );
-                if let Some(best) = self.scored.first() {
-                    let slot = best.candidate.slot;
-                    d.prefiller = Some(table.slots[slot].id.clone());
-                    chosen.push(slot as u16);
-                }
-            }
+        for slot in alive.iter() {
+            hits[slot] = hashes.len() as u32;
         }
-        let weight = match self.cfg.mode {
-            Mode::Aggregated => self.cfg.overlap_weight,
-            Mode::Pd => self.cfg.decode_overlap_weight,
-        };
-        self.fill_candidates(&table, &decode_set, &hits, &load);
-        rank(&self.candidates, weight, d.request_blocks, request_key, &mut self.scored);
-        for s in self.scored.iter().take(self.cfg.max_endpoints) {
-            d.destinations.push(table.slots[s.candidate.slot].id.clone());
-        }
-        if let Some(best) = self.scored.first() {
-            d.hits = best.candidate.cache_hits;
-            d.cost = best.cost;
-            let slot = best.candidate.slot as u16;
-            if !chosen.contains(&slot) {
-                chosen.push(slot);
-            }
-        }
-
-        if !hashes.is_empty() {
-            chosen.sort_unstable();
-            d.held = self.acquire(store, &mut d, &hashes, table.n_buckets, chosen, scanned, (load, load_cas), now_ms);
-        }
-        d
+        (hits, scanned)
     }
 
-    fn fill_candidates(&mut self, table: &WorkerTable, set: &SlotSet, hits: &[u32], load: &LoadVector) {
+    /// Scores the slots of `set` into `self.scored`, best first.
+    #[allow(clippy::too_many_arguments)]
+    fn rank_set(
+        &mut self,
+        table: &WorkerTable,
+        set: &SlotSet,
+        hits: &[u32],
+        load: &LoadVector,
+        weight: f64,
+        request_blocks: u32,
+        request_key: u64,
+    ) {
         self.candidates.clear();
         for slot in set.iter() {
             self.candidates.push(Candidate {
@@ -337,6 +334,7 @@ impl Router {
                 worker_key: worker_key(&table.slots[slot].id),
             });
         }
+        rank(&self.candidates, weight, request_blocks, request_key, &mut self.scored);
     }
 
     /// Records the request's blocks as in flight on `slots`. `scanned` and `load` are the
@@ -401,8 +399,38 @@ impl Router {
     }
 }
 
+/// The worker table, or none with the reason in `d.fallback`.
+fn read_table(store: &dyn SharedStore, d: &mut Decision) -> Option<WorkerTable> {
+    d.shared_reads += 1;
+    match store.get(TABLE_KEY) {
+        Ok((Some(v), _)) if !v.is_empty() => match WorkerTable::decode(&v) {
+            Ok(t) => Some(t),
+            Err(_) => {
+                d.layout_errors += 1;
+                d.fallback = Some(Fallback::NoTable);
+                None
+            }
+        },
+        _ => {
+            d.fallback = Some(Fallback::NoTable);
+            None
+        }
+    }
+}
+
+/// Slots that are up and whose role passes `role_ok`.
+fn up_slots(table: &WorkerTable, role_ok: fn(Role) -> bool) -> SlotSet {
+    let mut s = SlotSet::EMPTY;
+    for (slot, w) in table.slots.iter().enumerate().take(MAX_SLOTS) {
+        if w.state == SlotState::Up && role_ok(w.role) {
+            s.insert(slot);
+        }
+    }
+    s
+}
+
 /// Read-modify-write of bucket `b`'s in-flight part with compare-and-swap (see
-/// [`inflight::rewrite`]). The first read may come from the scan. Err(true) when the
+/// [`inflight::apply`], with a sweep when due). The first read may come from the scan. Err(true) when the
 /// bucket could not be decoded.
 #[allow(clippy::too_many_arguments)]
 fn update_bucket(
@@ -416,7 +444,7 @@ fn update_bucket(
     reads: &mut u32,
 ) -> Result<ActiveDelta, bool> {
     let key = bucket_key(b);
-    let mut fly = Vec::new();
+    let (mut fly, mut swept) = (Vec::new(), Vec::new());
     for _ in 0..CAS_ATTEMPTS {
         let (value, cas) = match first_read.take() {
             Some(r) => r,
@@ -428,12 +456,22 @@ fn update_bucket(
         let value = value.unwrap_or_default();
         let bucket = Bucket::parse(&value).map_err(|_| true)?;
         let (n_fly, fly_raw) = bucket.fly_raw();
-        let (n, delta) = inflight::rewrite(fly_raw, n_fly, hashes, slots, change, now_ms, &mut fly);
-        if n == n_fly && fly == fly_raw {
+        let mut sweep_at = bucket.sweep_at_ms();
+        let (n, delta) = if now_ms >= sweep_at {
+            // This writer's turn to sweep the whole bucket.
+            sweep_at = now_ms.saturating_add(inflight::SWEEP_INTERVAL_MS);
+            let (n_live, mut delta) = inflight::sweep(fly_raw, n_fly, now_ms, &mut swept);
+            let (n, d) = inflight::apply(&swept, n_live, hashes, slots, change, now_ms, &mut fly);
+            delta.merge(&d);
+            (n, delta)
+        } else {
+            inflight::apply(fly_raw, n_fly, hashes, slots, change, now_ms, &mut fly)
+        };
+        let (mw, n_idx, idx_raw) = bucket.idx_raw();
+        let out = encode_bucket(mw, n_idx, idx_raw, n, &fly, sweep_at);
+        if out == value {
             return Ok(delta);
         }
-        let (mw, n_idx, idx_raw) = bucket.idx_raw();
-        let out = encode_bucket(mw, n_idx, idx_raw, n, &fly);
         // The host treats CAS 0 as "unconditional". Keys exist from the sync service's
         // start (it creates every bucket and the load key empty), so 0 only happens
         // before that, when no table exists and nothing is routed yet.

@@ -118,7 +118,7 @@ def render_config(workers, feed_port, filter_config=None, sync_config=None,
 
 
 class Envoy:
-    def __init__(self, config, listener_port, admin_port, concurrency=2):
+    def __init__(self, config, listener_port, admin_port, concurrency=2, cpus=None):
         if not WASM.exists():
             raise RuntimeError(f"{WASM} missing: build it with "
                                "`cargo build --target wasm32-unknown-unknown --release`")
@@ -130,8 +130,9 @@ class Envoy:
         self.port = listener_port
         self.admin = admin_port
         self.log = open(self.log_path, "w")
+        pin = ["taskset", "-c", cpus] if cpus else []
         self.proc = subprocess.Popen(
-            [envoy_binary(), "-c", self.config_path, "--concurrency", str(concurrency),
+            pin + [envoy_binary(), "-c", self.config_path, "--concurrency", str(concurrency),
              "--base-id", str(admin_port), "-l", "warning", "--component-log-level", "wasm:info"],
             stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT)
         self._wait_ready()
@@ -149,6 +150,11 @@ class Envoy:
                 pass
             time.sleep(0.1)
         raise RuntimeError(f"envoy not ready:\n{self.logs()}")
+
+    def cpu_seconds(self):
+        """User + system CPU time Envoy has used so far."""
+        fields = pathlib.Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def logs(self):
         return pathlib.Path(self.log_path).read_text(errors="replace")
