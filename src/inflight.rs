@@ -74,96 +74,121 @@ pub fn sweep(old: &[u8], n: usize, now_ms: u64, out: &mut Vec<u8>) -> (usize, Ac
     (out.len() / FLY_ENTRY, delta)
 }
 
-/// Applies `change` for every `(hash, slot)` of `hashes × slots` to the in-flight entries
-/// (`n` in `old`, sorted by (hash, slot)), writing the result to `out`; returns the new
-/// count and the change of `active_blocks` per slot. `hashes` and `slots` must be sorted
-/// and free of duplicates. Entries of other keys are copied in runs, not decoded: the cost
-/// is one binary search per key plus a memcpy of the bucket.
+/// One `(block, worker)` entry to change, `count` times (several streams' releases of the
+/// same block are applied at once).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Key {
+    pub hash: u64,
+    pub slot: u16,
+    pub count: u16,
+}
+
+/// The keys of `hashes × slots`, once each, in (hash, slot) order; both inputs sorted.
+pub fn keys(hashes: &[u64], slots: &[u16], out: &mut Vec<Key>) {
+    for &hash in hashes {
+        out.extend(slots.iter().map(|&slot| Key { hash, slot, count: 1 }));
+    }
+}
+
+/// Sorts keys by (hash, slot) and merges duplicates, adding their counts.
+pub fn merge_keys(keys: &mut Vec<Key>) {
+    keys.sort_unstable_by_key(|k| (k.hash, k.slot));
+    keys.dedup_by(|later, kept| {
+        let same = (later.hash, later.slot) == (kept.hash, kept.slot);
+        if same {
+            kept.count = kept.count.saturating_add(later.count);
+        }
+        same
+    });
+}
+
+/// Applies `change` to the in-flight entries (`n` in `old`, sorted by (hash, slot)) for
+/// every key (sorted by (hash, slot), no duplicates), writing the result to `out`; returns
+/// the new count and the change of `active_blocks` per slot. Entries of other keys are
+/// copied in runs, not decoded: the cost is a galloping search per key plus a memcpy of
+/// the bucket, whatever else is in flight.
 ///
-/// Acquire: a block not in flight on the slot becomes active (+1), its entry leased for
-/// `lease_ms`. Release: a block whose last reference goes becomes inactive (−1) and stays
-/// a prediction for `linger_ms` (0: removed). A touched entry that is dead is treated as
-/// absent (an expired lease counts −1 on the way), so releasing an entry already swept
-/// changes nothing: its −1 was counted when it was swept.
+/// Acquire: `refs += count`; a block not in flight on the slot becomes active (+1), its
+/// entry leased for `lease_ms`. Release: `refs −= count`; a block whose last reference
+/// goes becomes inactive (−1) and stays a prediction for `linger_ms` (0: removed). A
+/// touched entry that is dead is treated as absent (an expired lease counts −1 on the
+/// way), so releasing an entry already swept changes nothing: its −1 was counted then.
 pub fn apply(
     old: &[u8],
     n: usize,
-    hashes: &[u64],
-    slots: &[u16],
+    keys: &[Key],
     change: Change,
     now_ms: u64,
     out: &mut Vec<u8>,
 ) -> (usize, ActiveDelta) {
     out.clear();
-    out.reserve(
-        old.len() + if matches!(change, Change::Acquire { .. }) { hashes.len() * slots.len() * FLY_ENTRY } else { 0 },
-    );
+    out.reserve(old.len() + if matches!(change, Change::Acquire { .. }) { keys.len() * FLY_ENTRY } else { 0 });
     let mut delta = ActiveDelta::default();
     let key_at = |i: usize| {
         let b = &old[i * FLY_ENTRY..];
         (crate::layout::le_u64(b), u16::from_le_bytes([b[8], b[9]]))
     };
     let mut pos = 0usize;
-    for &hash in hashes {
-        for &slot in slots {
-            // First entry at or after (hash, slot), galloping forward from `pos`: keys are
-            // sorted, so the next one is usually close.
-            let (mut lo, mut hi) = (pos, pos);
-            let mut step = 1;
-            while hi < n && key_at(hi) < (hash, slot) {
-                lo = hi + 1;
-                hi = (hi + step).min(n);
-                step *= 2;
-            }
-            while lo < hi {
-                let mid = (lo + hi) / 2;
-                if key_at(mid) < (hash, slot) {
-                    lo = mid + 1;
-                } else {
-                    hi = mid;
-                }
-            }
-            out.extend_from_slice(&old[pos * FLY_ENTRY..lo * FLY_ENTRY]);
-            pos = lo;
-            let existing = if lo < n && key_at(lo) == (hash, slot) {
-                pos += 1;
-                let e = FlyEntry::decode(&old[lo * FLY_ENTRY..(lo + 1) * FLY_ENTRY]);
-                if e.live(now_ms) {
-                    Some(e)
-                } else {
-                    if e.refs > 0 {
-                        delta.add(usize::from(slot), -1);
-                    }
-                    None
-                }
+    for &Key { hash, slot, count } in keys {
+        // First entry at or after (hash, slot), galloping forward from `pos`: keys are
+        // sorted, so the next one is usually close.
+        let (mut lo, mut hi) = (pos, pos);
+        let mut step = 1;
+        while hi < n && key_at(hi) < (hash, slot) {
+            lo = hi + 1;
+            hi = (hi + step).min(n);
+            step *= 2;
+        }
+        while lo < hi {
+            let mid = (lo + hi) / 2;
+            if key_at(mid) < (hash, slot) {
+                lo = mid + 1;
             } else {
-                None
-            };
-            let updated = match (change, existing) {
-                (Change::Acquire { lease_ms }, e) => {
-                    let until_ms = now_ms.saturating_add(lease_ms);
-                    let (refs, until_ms) = match e {
-                        Some(e) => (e.refs, e.until_ms.max(until_ms)),
-                        None => (0, until_ms),
-                    };
-                    if refs == 0 {
-                        delta.add(usize::from(slot), 1);
-                    }
-                    Some(FlyEntry { hash, slot, refs: refs.saturating_add(1), until_ms })
-                }
-                (Change::Release { .. }, None) => None,
-                (Change::Release { linger_ms }, Some(e)) => match e.refs {
-                    0 => Some(e),
-                    1 => {
-                        delta.add(usize::from(slot), -1);
-                        (linger_ms > 0).then(|| FlyEntry { refs: 0, until_ms: now_ms.saturating_add(linger_ms), ..e })
-                    }
-                    r => Some(FlyEntry { refs: r - 1, ..e }),
-                },
-            };
-            if let Some(e) = updated {
-                e.encode_into(out);
+                hi = mid;
             }
+        }
+        out.extend_from_slice(&old[pos * FLY_ENTRY..lo * FLY_ENTRY]);
+        pos = lo;
+        let existing = if lo < n && key_at(lo) == (hash, slot) {
+            pos += 1;
+            let e = FlyEntry::decode(&old[lo * FLY_ENTRY..(lo + 1) * FLY_ENTRY]);
+            if e.live(now_ms) {
+                Some(e)
+            } else {
+                if e.refs > 0 {
+                    delta.add(usize::from(slot), -1);
+                }
+                None
+            }
+        } else {
+            None
+        };
+        let updated = match (change, existing) {
+            (Change::Acquire { lease_ms }, e) => {
+                let until_ms = now_ms.saturating_add(lease_ms);
+                let (refs, until_ms) = match e {
+                    Some(e) => (e.refs, e.until_ms.max(until_ms)),
+                    None => (0, until_ms),
+                };
+                if refs == 0 {
+                    delta.add(usize::from(slot), 1);
+                }
+                Some(FlyEntry { hash, slot, refs: refs.saturating_add(count), until_ms })
+            }
+            (Change::Release { .. }, None) => None,
+            (Change::Release { linger_ms }, Some(e)) => {
+                if e.refs == 0 {
+                    Some(e)
+                } else if e.refs > count {
+                    Some(FlyEntry { refs: e.refs - count, ..e })
+                } else {
+                    delta.add(usize::from(slot), -1);
+                    (linger_ms > 0).then(|| FlyEntry { refs: 0, until_ms: now_ms.saturating_add(linger_ms), ..e })
+                }
+            }
+        };
+        if let Some(e) = updated {
+            e.encode_into(out);
         }
     }
     out.extend_from_slice(&old[pos * FLY_ENTRY..n * FLY_ENTRY]);
@@ -185,7 +210,9 @@ mod tests {
         let mut out = Vec::new();
         let mut swept = Vec::new();
         let (n0, mut d) = sweep(&fly_raw_of(entries), entries.len(), now, &mut swept);
-        let (n, d2) = super::apply(&swept, n0, &sorted, &[slot], change, now, &mut out);
+        let mut k = Vec::new();
+        keys(&sorted, &[slot], &mut k);
+        let (n, d2) = super::apply(&swept, n0, &k, change, now, &mut out);
         d.merge(&d2);
         assert_eq!(out.len(), n * FLY_ENTRY);
         *entries = out.chunks_exact(FLY_ENTRY).map(FlyEntry::decode).collect();
@@ -258,11 +285,42 @@ mod tests {
             FlyEntry { hash: 1, slot: 0, refs: 1, until_ms: 100 },
             FlyEntry { hash: 2, slot: 0, refs: 0, until_ms: 50 },
         ]);
-        let (n, d) = super::apply(&old, 2, &[1], &[0], Change::Acquire { lease_ms: 100 }, 500, &mut out);
+        let one = [Key { hash: 1, slot: 0, count: 1 }];
+        let (n, d) = super::apply(&old, 2, &one, Change::Acquire { lease_ms: 100 }, 500, &mut out);
         assert!(d.is_zero(), "−1 for the dead lease, +1 for the new one: {d:?}");
         assert_eq!(n, 2, "the untouched dead prediction waits for the sweep");
-        let (n, d) = super::apply(&old, 2, &[1], &[0], Change::Release { linger_ms: 10 }, 500, &mut out);
+        let (n, d) = super::apply(&old, 2, &one, Change::Release { linger_ms: 10 }, 500, &mut out);
         assert_eq!((n, d), (1, ActiveDelta(vec![(0, -1)])), "a dead lease released: counted once, gone");
+    }
+
+    #[test]
+    fn batched_release_counts() {
+        let mut e = Vec::new();
+        for _ in 0..3 {
+            acq(&mut e, &[1, 2], 0, 0, 1000);
+        }
+        acq(&mut e, &[2], 1, 0, 1000);
+        let mut k = vec![
+            Key { hash: 2, slot: 0, count: 1 },
+            Key { hash: 1, slot: 0, count: 2 },
+            Key { hash: 2, slot: 0, count: 1 },
+            Key { hash: 2, slot: 1, count: 1 },
+        ];
+        merge_keys(&mut k);
+        assert_eq!(
+            k,
+            vec![
+                Key { hash: 1, slot: 0, count: 2 },
+                Key { hash: 2, slot: 0, count: 2 },
+                Key { hash: 2, slot: 1, count: 1 }
+            ]
+        );
+        let mut out = Vec::new();
+        let (_, d) = super::apply(&fly_raw_of(&e), e.len(), &k, Change::Release { linger_ms: 0 }, 1, &mut out);
+        assert_eq!(d, ActiveDelta(vec![(1, -1)]), "slot 0 keeps one reference on each block");
+        let left: Vec<_> =
+            out.chunks_exact(FLY_ENTRY).map(FlyEntry::decode).map(|e| (e.hash, e.slot, e.refs)).collect();
+        assert_eq!(left, vec![(1, 0, 1), (2, 0, 1)]);
     }
 
     #[test]
@@ -278,15 +336,9 @@ mod tests {
         let mut e = Vec::new();
         acq(&mut e, &[5], 3, 0, 1000);
         let mut out = Vec::new();
-        let (n, d) = super::apply(
-            &fly_raw_of(&e),
-            e.len(),
-            &[1, 5, 9],
-            &[1, 3],
-            Change::Acquire { lease_ms: 1000 },
-            0,
-            &mut out,
-        );
+        let mut k = Vec::new();
+        keys(&[1, 5, 9], &[1, 3], &mut k);
+        let (n, d) = super::apply(&fly_raw_of(&e), e.len(), &k, Change::Acquire { lease_ms: 1000 }, 0, &mut out);
         assert_eq!(n, 6);
         assert_eq!(d, ActiveDelta(vec![(1, 3), (3, 2)]));
     }

@@ -361,7 +361,9 @@ impl Router {
             let mut sorted = hashes[seg].to_vec();
             sorted.sort_unstable();
             sorted.dedup();
-            match update_bucket(store, b, first_read, &sorted, &held.slots, change, now_ms, &mut d.shared_reads) {
+            let mut keys = Vec::with_capacity(sorted.len() * held.slots.len());
+            inflight::keys(&sorted, &held.slots, &mut keys);
+            match update_bucket(store, b, first_read, &keys, change, now_ms, &mut d.shared_reads) {
                 Ok(seg_delta) => {
                     delta.merge(&seg_delta);
                     held.segments.push((b, sorted));
@@ -381,13 +383,33 @@ impl Router {
     /// Releases what a finished stream held: in-flight blocks become predictions (or go,
     /// with predict-on-route off). Returns the number of updates that failed.
     pub fn release(&self, store: &dyn SharedStore, held: &Held, now_ms: u64) -> u32 {
+        self.release_all(store, std::slice::from_ref(held), now_ms)
+    }
+
+    /// Releases several finished streams at once: one update per bucket they touch and one
+    /// of the load, however many streams share them. Returns the number of updates that
+    /// failed.
+    pub fn release_all(&self, store: &dyn SharedStore, helds: &[Held], now_ms: u64) -> u32 {
         let linger_ms = if self.cfg.predict_on_route { self.cfg.prediction_ttl_ms } else { 0 };
-        let change = Change::Release { linger_ms };
+        let mut by_bucket: Vec<(u32, Vec<inflight::Key>)> = Vec::new();
+        for held in helds {
+            for (b, hashes) in &held.segments {
+                let i = match by_bucket.iter().position(|(x, _)| x == b) {
+                    Some(i) => i,
+                    None => {
+                        by_bucket.push((*b, Vec::new()));
+                        by_bucket.len() - 1
+                    }
+                };
+                inflight::keys(hashes, &held.slots, &mut by_bucket[i].1);
+            }
+        }
         let mut failures = 0;
         let mut delta = ActiveDelta::default();
         let mut reads = 0;
-        for (b, hashes) in &held.segments {
-            match update_bucket(store, *b, None, hashes, &held.slots, change, now_ms, &mut reads) {
+        for (b, mut keys) in by_bucket {
+            inflight::merge_keys(&mut keys);
+            match update_bucket(store, b, None, &keys, Change::Release { linger_ms }, now_ms, &mut reads) {
                 Ok(seg_delta) => delta.merge(&seg_delta),
                 Err(_) => failures += 1,
             }
@@ -430,15 +452,13 @@ fn up_slots(table: &WorkerTable, role_ok: fn(Role) -> bool) -> SlotSet {
 }
 
 /// Read-modify-write of bucket `b`'s in-flight part with compare-and-swap (see
-/// [`inflight::apply`], with a sweep when due). The first read may come from the scan. Err(true) when the
-/// bucket could not be decoded.
-#[allow(clippy::too_many_arguments)]
+/// [`inflight::apply`]; with a sweep when due). The first read may come from the scan.
+/// Err(true) when the bucket could not be decoded.
 fn update_bucket(
     store: &dyn SharedStore,
     b: u32,
     mut first_read: Option<(Option<Vec<u8>>, Option<u32>)>,
-    hashes: &[u64],
-    slots: &[u16],
+    keys: &[inflight::Key],
     change: Change,
     now_ms: u64,
     reads: &mut u32,
@@ -461,11 +481,11 @@ fn update_bucket(
             // This writer's turn to sweep the whole bucket.
             sweep_at = now_ms.saturating_add(inflight::SWEEP_INTERVAL_MS);
             let (n_live, mut delta) = inflight::sweep(fly_raw, n_fly, now_ms, &mut swept);
-            let (n, d) = inflight::apply(&swept, n_live, hashes, slots, change, now_ms, &mut fly);
+            let (n, d) = inflight::apply(&swept, n_live, keys, change, now_ms, &mut fly);
             delta.merge(&d);
             (n, delta)
         } else {
-            inflight::apply(fly_raw, n_fly, hashes, slots, change, now_ms, &mut fly)
+            inflight::apply(fly_raw, n_fly, keys, change, now_ms, &mut fly)
         };
         let (mw, n_idx, idx_raw) = bucket.idx_raw();
         let out = encode_bucket(mw, n_idx, idx_raw, n, &fly, sweep_at);

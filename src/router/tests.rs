@@ -309,3 +309,22 @@ fn decimal_and_base64_route_the_same() {
     assert_eq!(d1.destinations, d2.destinations);
     assert_eq!(d1.hits, 6);
 }
+
+#[test]
+fn batched_release_equals_one_by_one() {
+    let (store, _) = fleet(2, vec![]);
+    let mut r = Router::new(cfg("{}"));
+    let mut held = Vec::new();
+    for i in 0..6u32 {
+        let mut p = prompt(1, 40 * 16);
+        p.extend(prompt(100 + i, 16 * (i as usize + 1)));
+        held.push(route(&mut r, &store, &p, 0).held);
+    }
+    assert!(load(&store).0.iter().sum::<u32>() > 0);
+    assert_eq!(r.release_all(&store, &held[..4], 5), 0);
+    assert_eq!(r.release_all(&store, &held[4..], 5), 0);
+    assert!(load(&store).0.iter().all(|v| *v == 0), "{:?}", load(&store));
+    // Everything released lingers as a prediction.
+    let d = route(&mut r, &store, &prompt(1, 40 * 16), 10);
+    assert_eq!(d.hits, 40);
+}

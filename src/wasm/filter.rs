@@ -26,7 +26,7 @@ struct Metrics {
 }
 
 const FLUSH_EVERY: u32 = 64;
-pub const FLUSH_PERIOD: Duration = Duration::from_millis(200);
+pub const FLUSH_PERIOD: Duration = Duration::from_millis(100);
 
 impl Metrics {
     fn define() -> Metrics {
@@ -96,11 +96,17 @@ impl Metrics {
     }
 }
 
+/// Finished streams whose blocks are released together: one update per bucket and one of
+/// the load for the whole batch instead of per stream. A stream's blocks stay counted in
+/// flight until its batch goes, at most [`FLUSH_PERIOD`] after it ended.
+const RELEASE_BATCH: usize = 64;
+
 /// State shared by the streams of one VM (one Envoy worker thread: no locking needed).
 struct Shared {
     cfg: FilterConfig,
     router: RefCell<Router>,
     metrics: Metrics,
+    ended: RefCell<Vec<Held>>,
     /// xorshift state for tie-breaking requests without blocks.
     entropy: Cell<u64>,
 }
@@ -126,6 +132,7 @@ impl FilterRoot {
                         router: RefCell::new(Router::new(cfg.clone())),
                         cfg,
                         metrics: Metrics::define(),
+                        ended: RefCell::new(Vec::new()),
                         entropy: Cell::new(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15)),
                     }),
                 })
@@ -137,8 +144,10 @@ impl FilterRoot {
         }
     }
 
-    /// Pushes collected stats to the host (called on the root context's tick).
-    pub fn on_tick(&self) {
+    /// Releases the streams that ended since the last tick and pushes collected stats to
+    /// the host (on the root context's tick, and when the VM shuts down).
+    pub fn flush(&self) {
+        self.shared.release_ended();
         self.shared.metrics.flush();
     }
 
@@ -153,6 +162,22 @@ pub struct Stream {
     debug: Option<String>,
 }
 
+impl Shared {
+    fn release_ended(&self) {
+        let ended = match self.ended.try_borrow_mut() {
+            Ok(mut e) => std::mem::take(&mut *e),
+            Err(_) => return,
+        };
+        if ended.is_empty() {
+            return;
+        }
+        if let Ok(router) = self.router.try_borrow() {
+            let failures = router.release_all(&HostStore, &ended, host::now_ms());
+            self.metrics.update_failures.add(u64::from(failures));
+        }
+    }
+}
+
 impl Stream {
     fn next_entropy(&self) -> u64 {
         let mut x = self.shared.entropy.get();
@@ -163,11 +188,19 @@ impl Stream {
         x
     }
 
+    /// Queues this stream's blocks for release (see [`RELEASE_BATCH`]).
     fn release(&mut self) {
         if let Some(held) = self.held.take() {
-            if let Ok(router) = self.shared.router.try_borrow() {
-                let failures = router.release(&HostStore, &held, host::now_ms());
-                self.shared.metrics.update_failures.add(u64::from(failures));
+            let full = match self.shared.ended.try_borrow_mut() {
+                Ok(mut ended) => {
+                    ended.push(held);
+                    ended.len() >= RELEASE_BATCH
+                }
+                // Not reachable (one thread, no re-entry); the lease would reclaim it.
+                Err(_) => false,
+            };
+            if full {
+                self.shared.release_ended();
             }
         }
     }

@@ -31,6 +31,14 @@ enum Root {
 }
 
 impl Context for Root {
+    fn on_done(&mut self) -> bool {
+        // The VM is going away: nothing may stay counted in flight.
+        if let Root::Filter(f) = self {
+            f.flush();
+        }
+        true
+    }
+
     fn on_http_call_response(&mut self, token: u32, n_headers: usize, body_size: usize, n_trailers: usize) {
         if let Root::Sync(s) = self {
             s.on_http_call_response(token, n_headers, body_size, n_trailers);
@@ -73,7 +81,7 @@ impl RootContext for Root {
     fn on_tick(&mut self) {
         match self {
             Root::Sync(s) => s.on_tick(),
-            Root::Filter(f) => f.on_tick(),
+            Root::Filter(f) => f.flush(),
             Root::Unconfigured => {}
         }
     }
