@@ -12,7 +12,8 @@
 //!   last stream releases a block, the entry lives on as a prediction for
 //!   `prediction_ttl_ms`, or until the sidecar's index holds it.
 //!
-//! These functions edit a decoded entry list; the caller does the compare-and-swap.
+//! These functions rewrite the raw in-flight part of one bucket value; the caller
+//! (`router`) does the compare-and-swap and applies the returned change to the load.
 
 use crate::layout::{FlyEntry, FLY_ENTRY};
 
@@ -45,7 +46,7 @@ impl ActiveDelta {
 pub enum Change {
     /// Routed: take a reference; the entry is leased for `lease_ms`.
     Acquire { lease_ms: u64 },
-    /// Ended: drop the reference; at zero the entry stays a prediction for `linger_ms`
+    /// Ended: drop the references; at zero the entry stays a prediction for `linger_ms`
     /// (0: removed at once).
     Release { linger_ms: u64 },
 }

@@ -116,7 +116,7 @@ impl<'a> Reader<'a> {
 }
 
 #[inline]
-pub fn le_u64(b: &[u8]) -> u64 {
+pub(crate) fn le_u64(b: &[u8]) -> u64 {
     let mut a = [0u8; 8];
     a.copy_from_slice(&b[..8]);
     u64::from_le_bytes(a)
