@@ -4,10 +4,10 @@
 
 use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use kvroute::config::FilterConfig;
-use kvroute::feed::{FeedBlock, FeedWorker, Frame, FrameKind, Op};
-use kvroute::hash::{block_hashes, block_hashes_le};
+use kvroute::feed::{FeedBlock, FeedWorker, Frame, Op};
+use kvroute::hash::block_hashes_le;
 use kvroute::index::{publish, SyncIndex};
-use kvroute::layout::{anchor_position, Role};
+use kvroute::layout::Role;
 use kvroute::memstore::MemStore;
 use kvroute::router::{Router, TokenSource};
 use kvroute::score::{rank, worker_key, Candidate};
@@ -76,10 +76,7 @@ fn fleet(workers: usize, request: &[u32]) -> MemStore {
     let feed_workers: Vec<FeedWorker> = (0..workers)
         .map(|i| FeedWorker { id: format!("10.0.{}.{}:8000", i / 250, i % 250), role: Role::Both, up: true })
         .collect();
-    let blocks = |tokens: &[u32]| -> Vec<FeedBlock> {
-        let h = block_hashes(tokens, 16);
-        (0..h.len()).map(|i| FeedBlock { hash: h[i], anchor: h[anchor_position(i)] }).collect()
-    };
+    let blocks = |tokens: &[u32]| FeedBlock::chain(tokens, 16);
     let mut ops = Vec::new();
     for w in 0..workers {
         // Each worker: 8 unrelated 2k-token conversations…
@@ -90,16 +87,7 @@ fn fleet(workers: usize, request: &[u32]) -> MemStore {
         let share = request.len() * (w + 1) / (workers + 1) / 16 * 16;
         ops.push(Op::Store { worker: w as u32, blocks: blocks(&request[..share]) });
     }
-    let frame = Frame {
-        kind: FrameKind::SnapshotStart,
-        epoch: 1,
-        from_version: 0,
-        to_version: 1,
-        next_cursor: 0,
-        block_size: 16,
-        workers: feed_workers,
-        ops,
-    };
+    let frame = Frame::snapshot(1, 1, 16, feed_workers, ops);
     ix.apply(&frame).expect("snapshot applies");
     ix.set_live(true);
     publish(&mut ix, &store);

@@ -23,6 +23,7 @@ import json
 import os
 import pathlib
 import re
+import shutil
 import statistics
 import struct
 import subprocess
@@ -73,12 +74,12 @@ class Upstream:
             json.dump(cfg, f)
         self.proc = subprocess.Popen(["envoy", "-c", path, "--concurrency", "1", "--base-id", str(admin),
                                       "-l", "error"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        import urllib.request
         wait_for(lambda: _ok(f"http://127.0.0.1:{admin}/ready"), timeout=30, what="upstream envoy")
 
     def stop(self):
         self.proc.terminate()
         self.proc.wait(10)
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def _ok(url):

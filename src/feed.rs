@@ -39,6 +39,17 @@ pub struct FeedBlock {
     pub anchor: u64,
 }
 
+impl FeedBlock {
+    /// The feed blocks of a whole chain of tokens: every whole block's router hash and its
+    /// segment anchor.
+    pub fn chain(tokens: &[u32], block_size: usize) -> Vec<FeedBlock> {
+        let hashes = crate::hash::block_hashes(tokens, block_size);
+        (0..hashes.len())
+            .map(|i| FeedBlock { hash: hashes[i], anchor: hashes[crate::layout::anchor_position(i)] })
+            .collect()
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Op {
     /// The worker (index into the frame's worker list) now holds these blocks.
@@ -84,6 +95,20 @@ const OP_CLEAR: u8 = 3;
 const BLOCK_LEN: usize = 16;
 
 impl Frame {
+    /// A single-page snapshot of the state at `version`.
+    pub fn snapshot(epoch: u64, version: u64, block_size: u32, workers: Vec<FeedWorker>, ops: Vec<Op>) -> Frame {
+        Frame {
+            kind: FrameKind::SnapshotStart,
+            epoch,
+            from_version: 0,
+            to_version: version,
+            next_cursor: 0,
+            block_size,
+            workers,
+            ops,
+        }
+    }
+
     pub fn encode(&self) -> Vec<u8> {
         let blocks: usize = self
             .ops

@@ -2,10 +2,10 @@
 
 use super::*;
 use crate::config::FilterConfig;
-use crate::feed::{FeedBlock, FeedWorker, Frame, FrameKind, Op};
+use crate::feed::{FeedBlock, FeedWorker, Frame, Op};
 use crate::hash::block_hashes;
 use crate::index::SyncIndex;
-use crate::layout::{anchor_position, Role};
+use crate::layout::Role;
 use crate::memstore::MemStore;
 use crate::tokens::encode_base64;
 #[cfg(target_arch = "wasm32")]
@@ -19,8 +19,7 @@ pub(crate) fn sync_write(store: &MemStore, ix: &mut SyncIndex, frame: &Frame) {
 }
 
 fn feed_blocks(tokens: &[u32]) -> Vec<FeedBlock> {
-    let h = block_hashes(tokens, 16);
-    (0..h.len()).map(|i| FeedBlock { hash: h[i], anchor: h[anchor_position(i)] }).collect()
+    FeedBlock::chain(tokens, 16)
 }
 
 fn workers(n: usize) -> Vec<FeedWorker> {
@@ -28,19 +27,13 @@ fn workers(n: usize) -> Vec<FeedWorker> {
 }
 
 fn fleet(n: usize, ops: Vec<Op>) -> (MemStore, SyncIndex) {
+    fleet_of(workers(n), ops)
+}
+
+fn fleet_of(workers: Vec<FeedWorker>, ops: Vec<Op>) -> (MemStore, SyncIndex) {
     let store = MemStore::default();
     let mut ix = SyncIndex::new(256);
-    let f = Frame {
-        kind: FrameKind::SnapshotStart,
-        epoch: 1,
-        from_version: 0,
-        to_version: 1,
-        next_cursor: 0,
-        block_size: 16,
-        workers: workers(n),
-        ops,
-    };
-    sync_write(&store, &mut ix, &f);
+    sync_write(&store, &mut ix, &Frame::snapshot(1, 1, 16, workers, ops));
     (store, ix)
 }
 
@@ -166,25 +159,14 @@ fn active_blocks_count_shared_prefixes_once_and_return_to_zero() {
 #[test]
 fn pd_mode_picks_prefill_and_decode_by_their_weights() {
     let p = prompt(3, 320); // 20 blocks
-    let store = MemStore::default();
-    let mut ix = SyncIndex::new(256);
     let ws = vec![
         FeedWorker { id: "10.0.1.1:8000".into(), role: Role::Prefill, up: true },
         FeedWorker { id: "10.0.1.2:8000".into(), role: Role::Prefill, up: true },
         FeedWorker { id: "10.0.2.1:8000".into(), role: Role::Decode, up: true },
         FeedWorker { id: "10.0.2.2:8000".into(), role: Role::Decode, up: true },
     ];
-    let f = Frame {
-        kind: FrameKind::SnapshotStart,
-        epoch: 1,
-        from_version: 0,
-        to_version: 1,
-        next_cursor: 0,
-        block_size: 16,
-        workers: ws,
-        ops: vec![Op::Store { worker: 1, blocks: feed_blocks(&p) }, Op::Store { worker: 3, blocks: feed_blocks(&p) }],
-    };
-    sync_write(&store, &mut ix, &f);
+    let ops = vec![Op::Store { worker: 1, blocks: feed_blocks(&p) }, Op::Store { worker: 3, blocks: feed_blocks(&p) }];
+    let (store, _) = fleet_of(ws, ops);
     // Decode worker 3 (slot 3) holds the prefix but is busy; decode weight 0.1 → load wins.
     store.set(LOAD_KEY, &LoadVector(vec![0, 5, 0, 10]).encode(), None).unwrap();
     let mut r = Router::new(cfg(r#"{"mode": "pd", "prefill_overlap_weight": 20, "decode_overlap_weight": 0.1}"#));
@@ -202,21 +184,9 @@ fn pd_mode_picks_prefill_and_decode_by_their_weights() {
 #[test]
 fn down_workers_are_never_chosen() {
     let p = prompt(1, 160);
-    let store = MemStore::default();
-    let mut ix = SyncIndex::new(256);
     let mut ws = workers(3);
     ws[0].up = false;
-    let f = Frame {
-        kind: FrameKind::SnapshotStart,
-        epoch: 1,
-        from_version: 0,
-        to_version: 1,
-        next_cursor: 0,
-        block_size: 16,
-        workers: ws,
-        ops: vec![Op::Store { worker: 0, blocks: feed_blocks(&p) }],
-    };
-    sync_write(&store, &mut ix, &f);
+    let (store, _) = fleet_of(ws, vec![Op::Store { worker: 0, blocks: feed_blocks(&p) }]);
     let mut r = Router::new(cfg(r#"{"max_endpoints": 16}"#));
     let d = route(&mut r, &store, &p, 0);
     assert!(!d.destinations.iter().any(|w| w == "10.0.0.0:8000"), "{:?}", d.destinations);

@@ -1,6 +1,5 @@
 """Real processes for the integration tests: Envoy with the built kvroute.wasm, and HTTP
 upstream workers on loopback that record what reached them."""
-import copy
 import http.client
 import http.server
 import json
@@ -89,7 +88,6 @@ def render_config(workers, feed_port, filter_config=None, sync_config=None,
                   listener_port=None, admin_port=None, wasm=WASM):
     """envoy/envoy.yaml with this test's ports, upstreams and plugin configurations."""
     cfg = yaml.safe_load(ENVOY_YAML.read_text())
-    cfg = copy.deepcopy(cfg)
     listener_port = listener_port or free_port()
     admin_port = admin_port or free_port()
     cfg["admin"]["address"]["socket_address"]["port_value"] = admin_port
@@ -135,7 +133,11 @@ class Envoy:
             pin + [envoy_binary(), "-c", self.config_path, "--concurrency", str(concurrency),
              "--base-id", str(admin_port), "-l", "warning", "--component-log-level", "wasm:info"],
             stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT)
-        self._wait_ready()
+        try:
+            self._wait_ready()
+        except Exception:
+            self.stop()  # no process or temp dir left behind
+            raise
 
     def _wait_ready(self, timeout=30):
         deadline = time.time() + timeout
