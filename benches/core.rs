@@ -135,10 +135,59 @@ fn routing(c: &mut Criterion) {
     g.finish();
 }
 
+/// Every block of the request in flight on every worker (a shared prefix served by the
+/// whole fleet): the case whose cost grows with (blocks × workers) in flight.
+fn replicated_in_flight(store: &MemStore, request: &[u32], workers: u16) {
+    use kvroute::inflight::{apply, keys, Change};
+    use kvroute::layout::{bucket_key, bucket_of, encode_bucket, segments, Bucket};
+    use kvroute::router::SharedStore;
+    let hashes = kvroute::hash::block_hashes(request, 16);
+    let slots: Vec<u16> = (0..workers).collect();
+    for seg in segments(hashes.len()) {
+        let key = bucket_key(bucket_of(hashes[seg.start], 4096));
+        let value = store.get(&key).expect("get").0.unwrap_or_default();
+        let bucket = Bucket::parse(&value).expect("bucket");
+        let mut sorted = hashes[seg].to_vec();
+        sorted.sort_unstable();
+        let mut k = Vec::new();
+        keys(&sorted, &slots, &mut k);
+        let (n_fly, fly) = bucket.fly_raw();
+        let mut out = Vec::new();
+        let (n, _) = apply(fly, n_fly, &k, Change::Acquire { lease_ms: 1 << 40 }, 0, &mut out);
+        let (mw, n_idx, idx) = bucket.idx_raw();
+        store.set(&key, &encode_bucket(mw, n_idx, idx, n, &out, u64::MAX), None).expect("set");
+    }
+}
+
+fn routing_replicated(c: &mut Criterion) {
+    let mut g = c.benchmark_group("route_replicated");
+    for tokens in [2048usize, 32768] {
+        let request = prompt(7, tokens);
+        let store = fleet(16, &request);
+        replicated_in_flight(&store, &request, 16);
+        let b64 = encode_base64(&request);
+        let mut router = Router::new(FilterConfig::from_json(b"{}").expect("defaults"));
+        g.bench_function(BenchmarkId::new(format!("{tokens}tok"), 16), |b| {
+            let mut now = 10;
+            b.iter(|| {
+                now += 1;
+                let d = router.route(
+                    &store,
+                    TokenSource::Header(black_box(b64.as_bytes()), TokenEncoding::Base64LeU32),
+                    now,
+                    now,
+                );
+                router.release(&store, &d.held, now);
+            })
+        });
+    }
+    g.finish();
+}
+
 criterion_group! {
     name = benches;
     config = Criterion::default().sample_size(30).warm_up_time(std::time::Duration::from_millis(500))
         .measurement_time(std::time::Duration::from_secs(2));
-    targets = parsing, hashing, ranking, routing
+    targets = parsing, hashing, ranking, routing, routing_replicated
 }
 criterion_main!(benches);

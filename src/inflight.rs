@@ -56,12 +56,12 @@ pub enum Change {
 /// number of other blocks in flight in the same bucket.
 pub const SWEEP_INTERVAL_MS: u64 = 1_000;
 
-/// Copies the in-flight entries (`n` in `old`, sorted) that are still alive at `now_ms`
-/// into `out`, and returns their count and the change of `active_blocks`: an in-flight
+/// Appends the in-flight entries (`n` in `old`, sorted) that are still alive at `now_ms`
+/// to `out`, and returns their count and the change of `active_blocks`: an in-flight
 /// entry whose lease ran out (a stream that never released, e.g. its VM died) was counted
 /// active and counts −1 now. Expired predictions just go.
 pub fn sweep(old: &[u8], n: usize, now_ms: u64, out: &mut Vec<u8>) -> (usize, ActiveDelta) {
-    out.clear();
+    let start = out.len();
     out.reserve(old.len());
     let mut delta = ActiveDelta::default();
     for raw in old.chunks_exact(FLY_ENTRY).take(n) {
@@ -72,7 +72,7 @@ pub fn sweep(old: &[u8], n: usize, now_ms: u64, out: &mut Vec<u8>) -> (usize, Ac
             delta.add(usize::from(e.slot), -1);
         }
     }
-    (out.len() / FLY_ENTRY, delta)
+    ((out.len() - start) / FLY_ENTRY, delta)
 }
 
 /// One `(block, worker)` entry to change, `count` times (several streams' releases of the
@@ -104,7 +104,7 @@ pub fn merge_keys(keys: &mut Vec<Key>) {
 }
 
 /// Applies `change` to the in-flight entries (`n` in `old`, sorted by (hash, slot)) for
-/// every key (sorted by (hash, slot), no duplicates), writing the result to `out`; returns
+/// every key (sorted by (hash, slot), no duplicates), appending the result to `out`; returns
 /// the new count and the change of `active_blocks` per slot. Entries of other keys are
 /// copied in runs, not decoded: the cost is a galloping search per key plus a memcpy of
 /// the bucket, whatever else is in flight.
@@ -122,7 +122,7 @@ pub fn apply(
     now_ms: u64,
     out: &mut Vec<u8>,
 ) -> (usize, ActiveDelta) {
-    out.clear();
+    let start = out.len();
     out.reserve(old.len() + if matches!(change, Change::Acquire { .. }) { keys.len() * FLY_ENTRY } else { 0 });
     let mut delta = ActiveDelta::default();
     let key_at = |i: usize| {
@@ -193,7 +193,7 @@ pub fn apply(
         }
     }
     out.extend_from_slice(&old[pos * FLY_ENTRY..n * FLY_ENTRY]);
-    (out.len() / FLY_ENTRY, delta)
+    ((out.len() - start) / FLY_ENTRY, delta)
 }
 
 #[cfg(test)]

@@ -477,18 +477,35 @@ pub fn encode_bucket(
     fly_raw: &[u8],
     sweep_at_ms: u64,
 ) -> Vec<u8> {
-    if n_idx == 0 && n_fly == 0 {
-        return Vec::new();
-    }
     let mut out = Vec::with_capacity(BUCKET_HEADER + idx_raw.len() + fly_raw.len());
+    begin_bucket(&mut out, mask_words, n_idx, idx_raw, sweep_at_ms);
+    out.extend_from_slice(fly_raw);
+    finish_bucket(&mut out, n_fly);
+    out
+}
+
+/// Starts a bucket value in `out` (cleared): the header and the index part. The in-flight
+/// entries are then appended straight into `out`, and [`finish_bucket`] records how many
+/// — so a rewritten bucket is built without an intermediate copy.
+pub fn begin_bucket(out: &mut Vec<u8>, mask_words: usize, n_idx: usize, idx_raw: &[u8], sweep_at_ms: u64) {
+    out.clear();
     out.extend_from_slice(&BUCKET_FORMAT.to_le_bytes());
     out.extend_from_slice(&(mask_words as u16).to_le_bytes());
     out.extend_from_slice(&(n_idx as u32).to_le_bytes());
-    out.extend_from_slice(&(n_fly as u32).to_le_bytes());
+    out.extend_from_slice(&0u32.to_le_bytes());
     out.extend_from_slice(&sweep_at_ms.to_le_bytes());
     out.extend_from_slice(idx_raw);
-    out.extend_from_slice(fly_raw);
-    out
+}
+
+/// Completes a bucket started by [`begin_bucket`] with `n_fly` in-flight entries appended.
+/// A bucket with neither part is the empty value.
+pub fn finish_bucket(out: &mut Vec<u8>, n_fly: usize) {
+    let n_idx = u32::from_le_bytes([out[4], out[5], out[6], out[7]]);
+    if n_idx == 0 && n_fly == 0 {
+        out.clear();
+    } else {
+        out[8..12].copy_from_slice(&(n_fly as u32).to_le_bytes());
+    }
 }
 
 /// Raw bytes of in-flight entries (tests and tools).

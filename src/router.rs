@@ -9,8 +9,8 @@ use crate::config::{FilterConfig, Mode};
 use crate::hash::block_hashes_le;
 use crate::inflight::{self, ActiveDelta, Change};
 use crate::layout::{
-    bucket_key, bucket_of, encode_bucket, segments, Bucket, LoadVector, Role, SlotState, WorkerTable, LOAD_KEY,
-    TABLE_KEY,
+    begin_bucket, bucket_key, bucket_of, finish_bucket, segments, Bucket, LoadVector, Role, SlotState, WorkerTable,
+    LOAD_KEY, TABLE_KEY,
 };
 use crate::score::{rank, worker_key, Candidate, Scored};
 use crate::slots::{SlotSet, MAX_SLOTS};
@@ -464,7 +464,7 @@ fn update_bucket(
     reads: &mut u32,
 ) -> Result<ActiveDelta, bool> {
     let key = bucket_key(b);
-    let (mut fly, mut swept) = (Vec::new(), Vec::new());
+    let (mut out, mut swept) = (Vec::new(), Vec::new());
     for _ in 0..CAS_ATTEMPTS {
         let (value, cas) = match first_read.take() {
             Some(r) => r,
@@ -476,19 +476,24 @@ fn update_bucket(
         let value = value.unwrap_or_default();
         let bucket = Bucket::parse(&value).map_err(|_| true)?;
         let (n_fly, fly_raw) = bucket.fly_raw();
+        let (mw, n_idx, idx_raw) = bucket.idx_raw();
         let mut sweep_at = bucket.sweep_at_ms();
-        let (n, delta) = if now_ms >= sweep_at {
+        let sweep = now_ms >= sweep_at;
+        if sweep {
             // This writer's turn to sweep the whole bucket.
             sweep_at = now_ms.saturating_add(inflight::SWEEP_INTERVAL_MS);
+        }
+        begin_bucket(&mut out, mw, n_idx, idx_raw, sweep_at);
+        let (n, delta) = if sweep {
+            swept.clear();
             let (n_live, mut delta) = inflight::sweep(fly_raw, n_fly, now_ms, &mut swept);
-            let (n, d) = inflight::apply(&swept, n_live, keys, change, now_ms, &mut fly);
+            let (n, d) = inflight::apply(&swept, n_live, keys, change, now_ms, &mut out);
             delta.merge(&d);
             (n, delta)
         } else {
-            inflight::apply(fly_raw, n_fly, keys, change, now_ms, &mut fly)
+            inflight::apply(fly_raw, n_fly, keys, change, now_ms, &mut out)
         };
-        let (mw, n_idx, idx_raw) = bucket.idx_raw();
-        let out = encode_bucket(mw, n_idx, idx_raw, n, &fly, sweep_at);
+        finish_bucket(&mut out, n);
         if out == value {
             return Ok(delta);
         }
