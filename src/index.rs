@@ -516,9 +516,7 @@ mod tests {
         let b = bucket_of(anchor, ix.n_buckets());
         let (mw, n, raw) = ix.encode_idx(b);
         let bytes = encode_bucket(mw, n, &raw, 0, &[], 0);
-        let mut s = SlotSet::EMPTY;
-        Bucket::parse(&bytes).unwrap().holders(hash, 0, false, &mut s);
-        s.iter().collect()
+        Bucket::parse(&bytes).unwrap().holders(hash, 0, false, &SlotSet::FULL).iter().collect()
     }
 
     fn blk(hash: u64) -> FeedBlock {

@@ -411,26 +411,31 @@ impl<'a> Bucket<'a> {
         lo
     }
 
-    /// Adds to `out` every slot holding `hash`: in the sidecar's index, and (when
-    /// `with_fly`) in flight or predicted at `now_ms`.
+    /// The slots of `among` that hold `hash`: in the sidecar's index, and (when
+    /// `with_fly`) in flight or predicted at `now_ms`. Only the index mask's words and the
+    /// hash's own in-flight entries are looked at.
     #[inline]
-    pub fn holders(&self, hash: u64, now_ms: u64, with_fly: bool, out: &mut SlotSet) {
+    pub fn holders(&self, hash: u64, now_ms: u64, with_fly: bool, among: &SlotSet) -> SlotSet {
+        let mut out = SlotSet::EMPTY;
         if let Some(mask) = self.idx_mask(hash) {
             out.union_le_words(mask);
+            out = out.intersection(among);
         }
         if with_fly && self.n_fly > 0 {
             let mut i = self.fly_lower_bound(hash);
             while i < self.n_fly {
-                let e = self.fly_entry(i);
-                if e.hash != hash {
+                let b = &self.fly[i * FLY_ENTRY..(i + 1) * FLY_ENTRY];
+                if le_u64(b) != hash {
                     break;
                 }
-                if e.live(now_ms) {
-                    out.insert(usize::from(e.slot));
+                let slot = usize::from(u16::from_le_bytes([b[8], b[9]]));
+                if among.contains(slot) && le_u64(&b[12..]) > now_ms {
+                    out.insert(slot);
                 }
                 i += 1;
             }
         }
+        out
     }
 
     /// The raw index part: `(mask_words, n_idx, bytes)`.
@@ -575,18 +580,18 @@ mod tests {
         ];
         let bytes = encode_bucket(1, 2, &idx, fly.len(), &fly_raw_of(&fly), 7);
         let b = Bucket::parse(&bytes).unwrap();
-        let mut s = SlotSet::EMPTY;
-        b.holders(5, 60, true, &mut s);
+        let all = SlotSet::FULL;
+        let s = b.holders(5, 60, true, &all);
         assert_eq!(s.iter().collect::<Vec<_>>(), vec![0, 2, 3]);
-        let mut s = SlotSet::EMPTY;
-        b.holders(9, 60, true, &mut s); // prediction expired at 50
+        let s = b.holders(9, 60, true, &all); // prediction expired at 50
         assert_eq!(s.iter().collect::<Vec<_>>(), vec![1]);
-        let mut s = SlotSet::EMPTY;
-        b.holders(5, 60, false, &mut s);
+        let s = b.holders(5, 60, false, &all);
         assert_eq!(s.iter().collect::<Vec<_>>(), vec![0, 2]);
-        let mut s = SlotSet::EMPTY;
-        b.holders(6, 0, true, &mut s);
-        assert!(s.is_empty());
+        assert!(b.holders(6, 0, true, &all).is_empty());
+        let mut some = SlotSet::EMPTY;
+        some.insert(2);
+        some.insert(3);
+        assert_eq!(b.holders(5, 60, true, &some).iter().collect::<Vec<_>>(), vec![2, 3]);
         assert_eq!(b.fly_entries().collect::<Vec<_>>(), fly.to_vec());
         for cut in 1..bytes.len() {
             assert!(Bucket::parse(&bytes[..cut]).is_err(), "cut {cut}");

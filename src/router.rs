@@ -294,13 +294,13 @@ impl Router {
                 }
             };
             for pos in seg {
-                let mut holders = SlotSet::EMPTY;
-                bucket.holders(hashes[pos], now_ms, self.cfg.predict_on_route, &mut holders);
-                let still = alive.intersection(&holders);
-                for slot in alive.difference(&still).iter() {
-                    hits[slot] = pos as u32;
+                let still = bucket.holders(hashes[pos], now_ms, self.cfg.predict_on_route, &alive);
+                if still != alive {
+                    for slot in alive.difference(&still).iter() {
+                        hits[slot] = pos as u32;
+                    }
+                    alive = still;
                 }
-                alive = still;
                 if alive.is_empty() {
                     break;
                 }

@@ -29,6 +29,7 @@ impl std::fmt::Debug for SlotSet {
 
 impl SlotSet {
     pub const EMPTY: SlotSet = SlotSet { words: [0; WORDS] };
+    pub const FULL: SlotSet = SlotSet { words: [u64::MAX; WORDS] };
 
     /// Adds `slot`; slots at or above [`MAX_SLOTS`] are ignored (they are never assigned).
     #[inline]
