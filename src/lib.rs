@@ -8,6 +8,7 @@
 //! - [`score`]: the cost function and ranking
 //! - [`layout`]: the shared-data layout the sync service writes and the filter reads
 //! - [`inflight`]: in-flight / predicted blocks and `active_blocks`
+//! - [`scan`]: `cache_hits` per worker over one segment bucket
 //! - [`router`]: one routing decision over a [`router::SharedStore`]
 //! - [`memstore`]: an in-process store with the host's semantics (tests, benches)
 //! - [`feed`]: the sidecar → sync service frame format
@@ -28,6 +29,7 @@ pub mod inflight;
 pub mod layout;
 pub mod memstore;
 pub mod router;
+pub mod scan;
 pub mod score;
 pub mod slots;
 pub mod tokens;

@@ -12,6 +12,7 @@ use crate::layout::{
     begin_bucket, bucket_key, bucket_of, finish_bucket, segments, Bucket, LoadVector, Role, SlotState, WorkerTable,
     LOAD_KEY, TABLE_KEY,
 };
+use crate::scan::scan_segment;
 use crate::score::{rank, worker_key, Candidate, Scored};
 use crate::slots::{SlotSet, MAX_SLOTS};
 use crate::tokens::{decode_tokens, TokenEncoding, TokenError};
@@ -293,18 +294,8 @@ impl Router {
                     Bucket::EMPTY
                 }
             };
-            for pos in seg {
-                let still = bucket.holders(hashes[pos], now_ms, self.cfg.predict_on_route, &alive);
-                if still != alive {
-                    for slot in alive.difference(&still).iter() {
-                        hits[slot] = pos as u32;
-                    }
-                    alive = still;
-                }
-                if alive.is_empty() {
-                    break;
-                }
-            }
+            let start = seg.start;
+            scan_segment(&bucket, &hashes[seg], start, now_ms, self.cfg.predict_on_route, &mut alive, &mut hits);
             scanned.push(ScannedBucket { value, cas });
         }
         for slot in alive.iter() {

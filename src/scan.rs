@@ -1,0 +1,263 @@
+//! `cache_hits` over one segment bucket: for each candidate worker, how many leading
+//! blocks of the request it holds.
+//!
+//! The request's blocks are looked up in hash order, not position order: both parts of a
+//! bucket are sorted by hash, so each lookup gallops forward from the previous one over
+//! memory already in cache, instead of a binary search from scratch per block. The
+//! per-block holder sets, kept as bitmasks over the (at most 64) candidates still in the
+//! running, are then replayed in position order to find where each candidate drops out.
+//! With more than 64 candidates, or a short segment, the per-block binary-search path is
+//! used.
+
+use crate::layout::{le_u64, Bucket, FLY_ENTRY};
+use crate::slots::{SlotSet, MAX_SLOTS};
+
+/// Below this many blocks the sorted scan's setup costs more than the binary searches it
+/// saves.
+const SORTED_SCAN_MIN_BLOCKS: usize = 64;
+
+/// Scans one segment: `hashes` are its blocks, the first at position `start` of the
+/// request. `alive` holds the slots that held every block before `start`; on return, those
+/// that also hold every block of this segment. `hits[slot]` is set for every slot that
+/// drops out (to the position of its first miss). `with_fly`: count in-flight and
+/// predicted entries as held.
+pub fn scan_segment(
+    bucket: &Bucket<'_>,
+    hashes: &[u64],
+    start: usize,
+    now_ms: u64,
+    with_fly: bool,
+    alive: &mut SlotSet,
+    hits: &mut [u32],
+) {
+    let candidates: Vec<usize> = alive.iter().collect();
+    if candidates.len() > 64 || hashes.len() < SORTED_SCAN_MIN_BLOCKS {
+        return scan_by_position(bucket, hashes, start, now_ms, with_fly, alive, hits);
+    }
+    // slot → bit among the candidates.
+    let mut bit_of = [u8::MAX; MAX_SLOTS];
+    for (bit, &slot) in candidates.iter().enumerate() {
+        bit_of[slot] = bit as u8;
+    }
+    let compact = |slot: usize| -> u64 {
+        match bit_of.get(slot) {
+            Some(&b) if b != u8::MAX => 1 << b,
+            _ => 0,
+        }
+    };
+
+    let mut order: Vec<u32> = (0..hashes.len() as u32).collect();
+    order.sort_unstable_by_key(|&i| hashes[i as usize]);
+    let mut held = vec![0u64; hashes.len()];
+    let (mw, n_idx, idx) = bucket.idx_raw();
+    let stride = 8 + 8 * mw;
+    let (n_fly, fly) = bucket.fly_raw();
+    let (mut i_idx, mut i_fly) = (0usize, 0usize);
+    for &i in &order {
+        let hash = hashes[i as usize];
+        let mut bits = 0u64;
+        i_idx = gallop(i_idx, n_idx, |k| le_u64(&idx[k * stride..]) < hash);
+        if i_idx < n_idx && le_u64(&idx[i_idx * stride..]) == hash {
+            let mask = &idx[i_idx * stride + 8..(i_idx + 1) * stride];
+            for (w, word) in mask.chunks_exact(8).enumerate() {
+                let mut word = le_u64(word);
+                while word != 0 {
+                    bits |= compact(w * 64 + word.trailing_zeros() as usize);
+                    word &= word - 1;
+                }
+            }
+        }
+        if with_fly {
+            i_fly = gallop(i_fly, n_fly, |k| le_u64(&fly[k * FLY_ENTRY..]) < hash);
+            let mut k = i_fly;
+            while k < n_fly {
+                let e = &fly[k * FLY_ENTRY..(k + 1) * FLY_ENTRY];
+                if le_u64(e) != hash {
+                    break;
+                }
+                if le_u64(&e[12..]) > now_ms {
+                    bits |= compact(usize::from(u16::from_le_bytes([e[8], e[9]])));
+                }
+                k += 1;
+            }
+        }
+        held[i as usize] = bits;
+    }
+
+    let mut running = if candidates.len() == 64 { u64::MAX } else { (1u64 << candidates.len()) - 1 };
+    for (offset, &bits) in held.iter().enumerate() {
+        let still = running & bits;
+        let mut dropped = running & !still;
+        while dropped != 0 {
+            let b = dropped.trailing_zeros() as usize;
+            if let Some(h) = hits.get_mut(candidates[b]) {
+                *h = (start + offset) as u32;
+            }
+            dropped &= dropped - 1;
+        }
+        running = still;
+        if running == 0 {
+            break;
+        }
+    }
+    *alive = SlotSet::EMPTY;
+    for (b, &slot) in candidates.iter().enumerate() {
+        if running & (1 << b) != 0 {
+            alive.insert(slot);
+        }
+    }
+}
+
+/// First index in `from..n` where `before(index)` is false, for a `before` that is true on
+/// a prefix: gallops forward, then bisects.
+fn gallop(from: usize, n: usize, before: impl Fn(usize) -> bool) -> usize {
+    let (mut lo, mut hi) = (from, from);
+    let mut step = 1;
+    while hi < n && before(hi) {
+        lo = hi + 1;
+        hi = (hi + step).min(n);
+        step *= 2;
+    }
+    while lo < hi {
+        let mid = (lo + hi) / 2;
+        if before(mid) {
+            lo = mid + 1;
+        } else {
+            hi = mid;
+        }
+    }
+    lo
+}
+
+/// The plain path: one lookup per block, in position order.
+fn scan_by_position(
+    bucket: &Bucket<'_>,
+    hashes: &[u64],
+    start: usize,
+    now_ms: u64,
+    with_fly: bool,
+    alive: &mut SlotSet,
+    hits: &mut [u32],
+) {
+    for (offset, &hash) in hashes.iter().enumerate() {
+        let still = bucket.holders(hash, now_ms, with_fly, alive);
+        if still != *alive {
+            for slot in alive.difference(&still).iter() {
+                if let Some(h) = hits.get_mut(slot) {
+                    *h = (start + offset) as u32;
+                }
+            }
+            *alive = still;
+        }
+        if alive.is_empty() {
+            return;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layout::{encode_bucket, fly_raw_of, FlyEntry};
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    /// A bucket where block `p` (hash `1000 + p`) is held in the index by the slots
+    /// `idx(p)` and in flight on `fly(p)`.
+    fn bucket_bytes(
+        n: usize,
+        mw: usize,
+        idx: impl Fn(usize) -> Vec<usize>,
+        fly: impl Fn(usize) -> Vec<u16>,
+    ) -> Vec<u8> {
+        // Hashes out of position order, as real chain hashes are.
+        let hash = |p: usize| (p as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        let mut rows: Vec<(u64, Vec<u64>)> = (0..n)
+            .map(|p| {
+                let mut m = vec![0u64; mw];
+                for s in idx(p) {
+                    m[s / 64] |= 1 << (s % 64);
+                }
+                (hash(p), m)
+            })
+            .filter(|(_, m)| m.iter().any(|w| *w != 0))
+            .collect();
+        rows.sort();
+        let raw: Vec<u8> = rows
+            .iter()
+            .flat_map(|(h, m)| h.to_le_bytes().into_iter().chain(m.iter().flat_map(|w| w.to_le_bytes())))
+            .collect();
+        let mut f: Vec<FlyEntry> = (0..n)
+            .flat_map(|p| fly(p).into_iter().map(move |s| FlyEntry { hash: hash(p), slot: s, refs: 1, until_ms: 100 }))
+            .collect();
+        f.sort_by_key(|e| (e.hash, e.slot));
+        encode_bucket(mw, rows.len(), &raw, f.len(), &fly_raw_of(&f), 0)
+    }
+
+    fn hashes(n: usize) -> Vec<u64> {
+        (0..n).map(|p| (p as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)).collect()
+    }
+
+    fn run(bytes: &[u8], n: usize, alive_slots: &[usize], with_fly: bool) -> (Vec<usize>, Vec<u32>) {
+        let b = Bucket::parse(bytes).unwrap();
+        let mut alive = SlotSet::EMPTY;
+        for &s in alive_slots {
+            alive.insert(s);
+        }
+        let mut hits = vec![u32::MAX; MAX_SLOTS];
+        scan_segment(&b, &hashes(n), 32, 50, with_fly, &mut alive, &mut hits);
+        (alive.iter().collect(), hits)
+    }
+
+    #[test]
+    fn leading_blocks_per_slot() {
+        // Slot 0 holds all 80 blocks; slot 1 the first 10; slot 2 none; slot 3 blocks 0..20
+        // except 5 (a hole: only 5 lead); slot 4 all, but in flight only.
+        let bytes = bucket_bytes(
+            80,
+            1,
+            |p| {
+                let mut v = vec![0];
+                if p < 10 {
+                    v.push(1);
+                }
+                if p < 20 && p != 5 {
+                    v.push(3);
+                }
+                v
+            },
+            |_| vec![4],
+        );
+        let (alive, hits) = run(&bytes, 80, &[0, 1, 2, 3, 4], true);
+        assert_eq!(alive, vec![0, 4]);
+        assert_eq!((hits[1], hits[2], hits[3]), (32 + 10, 32, 32 + 5));
+        let (alive, _) = run(&bytes, 80, &[0, 1, 2, 3, 4], false);
+        assert_eq!(alive, vec![0], "in-flight entries ignored without predict-on-route");
+        // The same on a short segment (the per-position path).
+        let (alive, hits_short) = run(&bytes, 30, &[0, 1, 2, 3, 4], true);
+        assert_eq!(alive, vec![0, 4]);
+        assert_eq!((hits_short[1], hits_short[2], hits_short[3]), (32 + 10, 32, 32 + 5));
+        // Slots not alive on entry are never looked at.
+        let (alive, hits) = run(&bytes, 80, &[1], true);
+        assert_eq!((alive, hits[0], hits[1]), (vec![], u32::MAX, 32 + 10));
+    }
+
+    #[test]
+    fn both_paths_agree() {
+        // 100 candidates forces the per-position path; compare with the sorted path on
+        // the same data through subsets of at most 64.
+        let holds = |p: usize| (0..100).filter(|s| p < (s * 7) % 90).collect::<Vec<usize>>();
+        let bytes = bucket_bytes(90, 2, holds, |p| if p < 30 { vec![99] } else { vec![] });
+        let all: Vec<usize> = (0..100).collect();
+        let (alive_big, hits_big) = run(&bytes, 90, &all, true);
+        for chunk in all.chunks(50) {
+            let (alive, hits) = run(&bytes, 90, chunk, true);
+            for &s in chunk {
+                assert_eq!(alive.contains(&s), alive_big.contains(&s), "slot {s}");
+                if !alive.contains(&s) {
+                    assert_eq!(hits[s], hits_big[s], "slot {s}");
+                }
+            }
+        }
+    }
+}
