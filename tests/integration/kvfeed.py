@@ -76,6 +76,9 @@ class FeedState:
         self.history = history
         self.cond = threading.Condition()
         self.polls = 0
+        self.page_blocks = None  # page snapshots when set
+        self.snapshot = None
+        self.snapshot_pages_served = 0
 
     def _commit(self, ops):
         self.version += 1
@@ -126,15 +129,16 @@ class FeedState:
         with self.cond:
             self.polls += 1
             oldest = self.log[0][0] - 1 if self.log else self.version
-            if epoch == self.epoch and since == self.version and cursor == 0:
+            if cursor != 0:
+                page = self._snapshot_page(epoch, since, cursor)
+                if page is not None:
+                    return page
+            elif epoch == self.epoch and since == self.version:
                 self.cond.wait_for(lambda: self.version != since or self.epoch != epoch, timeout_s)
-            ids, wl = self._worker_list()
             if epoch != self.epoch or since > self.version or since < oldest or cursor != 0 \
                     or (epoch == 0 and since == 0):
-                ops = [(OP_STORE, ids.index(w), list(self.held[w].items()))
-                       for w in ids if self.held.get(w)]
-                return encode_frame(SNAPSHOT_START, self.epoch, 0, self.version,
-                                    self.block_size, wl, ops)
+                return self._snapshot_start()
+            ids, wl = self._worker_list()
             ops = []
             for v, entries in self.log:
                 if v <= since:
@@ -143,6 +147,33 @@ class FeedState:
                     if w in ids:
                         ops.append((code, ids.index(w), blocks))
             return encode_frame(DELTA, self.epoch, since, self.version, self.block_size, wl, ops)
+
+    def _snapshot_start(self):
+        """A snapshot of the current state, in pages of at most `page_blocks` blocks when
+        set (the pages are kept, as the protocol requires, until the next snapshot)."""
+        ids, wl = self._worker_list()
+        blocks = [(ids.index(w), b) for w in ids for b in self.held.get(w, {}).items()]
+        size = self.page_blocks or max(len(blocks), 1)
+        pages = []
+        for start in range(0, max(len(blocks), 1), size):
+            ops = {}
+            for wi, b in blocks[start:start + size]:
+                ops.setdefault(wi, []).append(b)
+            pages.append([(OP_STORE, wi, bs) for wi, bs in ops.items()])
+        self.snapshot = (self.epoch, self.version, wl, pages)
+        self.snapshot_pages_served += 1
+        return encode_frame(SNAPSHOT_START, self.epoch, 0, self.version, self.block_size, wl, pages[0],
+                            next_cursor=1 if len(pages) > 1 else 0)
+
+    def _snapshot_page(self, epoch, since, cursor):
+        if not self.snapshot:
+            return None
+        s_epoch, s_version, wl, pages = self.snapshot
+        if (epoch, since) != (s_epoch, s_version) or cursor >= len(pages):
+            return None
+        self.snapshot_pages_served += 1
+        return encode_frame(SNAPSHOT_MORE, s_epoch, 0, s_version, self.block_size, wl, pages[cursor],
+                            next_cursor=cursor + 1 if cursor + 1 < len(pages) else 0)
 
 
 class FeedServer:

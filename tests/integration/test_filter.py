@@ -337,3 +337,19 @@ def test_bad_sync_configuration_stops_envoy_with_a_clear_error(tmp_path):
                        capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert r.returncode != 0
     assert "n_buckets" in r.stdout + r.stderr
+
+
+def test_paged_snapshot(setup):
+    """A snapshot larger than one page arrives in pages (cursor protocol) and is complete."""
+    s = setup(n_workers=3, sync_config={}, filter_config={"predict_on_route": False})
+    s.state.page_blocks = 100
+    prompts = [tokens(20 + i, 1600) for i in range(3)]  # 100 blocks each
+    for w, p in zip(s.workers, prompts):
+        s.state.store(w.id, p)
+    s.state.restart()  # forces a fresh (paged) snapshot
+    # The version is reached with the first page; the index is complete with the last.
+    wait_for(lambda: s.envoy.stat("kvroute_sync.index_entries") == 300, what="all pages applied")
+    assert s.state.snapshot_pages_served >= 3
+    for w, p in zip(s.workers, prompts):
+        _, h, _ = s.envoy.request(headers={"x-prompt-token-ids-b64": b64(p)})
+        assert (debug(h)["worker"], debug(h)["hits"]) == (w.id, "100")
