@@ -192,12 +192,10 @@ impl FilterConfig {
 
     /// Every request header the filter owns: removed from client requests before routing,
     /// so no client can pick the upstream host or forge a decision.
-    pub fn routing_headers(&self) -> Vec<&str> {
-        let mut v = vec![self.destination_header.as_str(), self.prefiller_header.as_str()];
-        if let Some(d) = &self.debug_header {
-            v.push(d.as_str());
-        }
-        v
+    pub fn routing_headers(&self) -> impl Iterator<Item = &str> {
+        [self.destination_header.as_str(), self.prefiller_header.as_str()]
+            .into_iter()
+            .chain(self.debug_header.as_deref())
     }
 }
 

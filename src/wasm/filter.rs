@@ -243,8 +243,14 @@ impl HttpContext for Stream {
             host::set_request_header(&cfg.prefiller_header, p);
         }
         if !cfg.forward_token_headers {
-            host::remove_request_header(&cfg.token_header);
-            host::remove_request_header(&cfg.token_header_b64);
+            // Removing costs a host call: skip headers known to be absent (the decimal one
+            // is not read when the base64 one is present, so it may still be there).
+            if b64.is_some() {
+                host::remove_request_header(&cfg.token_header_b64);
+            }
+            if b64.is_some() || dec.is_some() {
+                host::remove_request_header(&cfg.token_header);
+            }
         }
         self.shared.metrics.record(&d);
         if cfg.debug_header.is_some() {
