@@ -107,6 +107,8 @@ struct Shared {
     router: RefCell<Router>,
     metrics: Metrics,
     ended: RefCell<Vec<Held>>,
+    /// Requests that met an undecodable shared-data value or a failed update.
+    problems_seen: Cell<u64>,
     /// xorshift state for tie-breaking requests without blocks.
     entropy: Cell<u64>,
 }
@@ -133,6 +135,7 @@ impl FilterRoot {
                         cfg,
                         metrics: Metrics::define(),
                         ended: RefCell::new(Vec::new()),
+                        problems_seen: Cell::new(0),
                         entropy: Cell::new(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15)),
                     }),
                 })
@@ -253,6 +256,19 @@ impl HttpContext for Stream {
             }
         }
         self.shared.metrics.record(&d);
+        if d.layout_errors > 0 || d.update_failures > 0 {
+            self.shared.problems_seen.set(self.shared.problems_seen.get() + 1);
+            // Logged at 1, 2, 4, 8… occurrences: visible, never a flood.
+            if self.shared.problems_seen.get().is_power_of_two() {
+                log::warn!(
+                    "kvroute: {} shared-data values did not decode, {} in-flight updates gave up \
+                     (occurrence {}; see kvroute.layout_errors / kvroute.update_failures)",
+                    d.layout_errors,
+                    d.update_failures,
+                    self.shared.problems_seen.get()
+                );
+            }
+        }
         if cfg.debug_header.is_some() {
             self.debug = Some(d.debug_value());
         }
