@@ -237,3 +237,34 @@ class FeedServer:
     def stop(self):
         self.httpd.shutdown()
         self.httpd.server_close()
+
+
+def main():
+    """A stand-alone feed server, to route requests by hand before the real sidecar runs:
+
+        python3 tests/integration/kvfeed.py --port 9100 \\
+            --workers 127.0.0.1:8101,127.0.0.1:8102 --hold 127.0.0.1:8102=1000:320
+
+    serves the two workers (up, role both) and says 127.0.0.1:8102 caches the prompt of
+    token ids 1000..1319 (20 blocks of 16)."""
+    import argparse
+    ap = argparse.ArgumentParser(description=main.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--port", type=int, default=9100)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--workers", required=True, help="comma-separated ip:port worker ids")
+    ap.add_argument("--hold", action="append", default=[],
+                    help="WORKER=FIRST:COUNT: the worker caches token ids FIRST..FIRST+COUNT-1")
+    args = ap.parse_args()
+    state = FeedState(block_size=args.block_size)
+    state.set_workers([(w, "both", True) for w in args.workers.split(",")])
+    for h in args.hold:
+        worker, rng = h.split("=")
+        first, count = (int(x) for x in rng.split(":"))
+        state.store(worker, list(range(first, first + count)))
+    server = FeedServer(state, port=args.port)
+    print(f"kvfeed: serving {len(state.workers)} workers on 127.0.0.1:{server.port}", flush=True)
+    server.thread.join()
+
+
+if __name__ == "__main__":
+    main()
