@@ -113,7 +113,7 @@ pub struct Decision {
     pub held: Held,
     /// Shared-data values that failed to decode (table, load or buckets).
     pub layout_errors: u32,
-    /// Updates abandoned after [`CAS_ATTEMPTS`] conflicts or a store error.
+    /// Updates abandoned after 16 compare-and-swap conflicts in a row, or a store error.
     pub update_failures: u32,
     pub shared_reads: u32,
 }
