@@ -9,7 +9,7 @@ use crate::feed::{Frame, FrameKind, Op};
 use crate::layout::{
     bucket_key, bucket_of, encode_bucket, Bucket, FlyEntry, SlotState, WorkerSlot, WorkerTable, FLY_ENTRY, TABLE_KEY,
 };
-use crate::router::{SharedStore, StoreError};
+use crate::router::{SharedStore, StoreError, CAS_ATTEMPTS};
 use crate::slots::MAX_SLOTS;
 use std::fmt;
 
@@ -449,8 +449,6 @@ pub struct PublishStats {
     /// Writes that failed (left dirty, retried on the next publish).
     pub failures: u64,
 }
-
-const CAS_ATTEMPTS: u32 = 16;
 
 /// Writes every changed bucket (index part only: the filters' in-flight part is kept as
 /// found, by compare-and-swap), then the worker table if it changed.

@@ -35,7 +35,7 @@ pub trait SharedStore {
 }
 
 /// Compare-and-swap attempts before an update is given up (and counted).
-const CAS_ATTEMPTS: u32 = 16;
+pub(crate) const CAS_ATTEMPTS: u32 = 16;
 
 /// Why a request was not scored by KV cost. Each has a counter.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
