@@ -298,3 +298,20 @@ fn batched_release_equals_one_by_one() {
     let d = route(&mut r, &store, &prompt(1, 40 * 16), 10);
     assert_eq!(d.hits, 40);
 }
+
+#[test]
+fn pd_mode_without_prefill_workers_routes_decode_only() {
+    let p = prompt(5, 160);
+    let ws = vec![
+        FeedWorker { id: "10.0.2.1:8000".into(), role: Role::Decode, up: true },
+        FeedWorker { id: "10.0.1.1:8000".into(), role: Role::Prefill, up: false },
+    ];
+    let (store, _) = fleet_of(ws, vec![]);
+    let mut r = Router::new(cfg(r#"{"mode": "pd"}"#));
+    let d = route(&mut r, &store, &p, 0);
+    assert_eq!(d.fallback, Some(Fallback::NoPrefillWorker));
+    assert_eq!((d.prefiller, d.destinations), (None, vec!["10.0.2.1:8000".to_string()]));
+    // Aggregated mode never picks a prefill- or decode-only worker.
+    let mut agg = Router::new(cfg("{}"));
+    assert_eq!(agg.route(&store, TokenSource::Missing, 0, 0).fallback, Some(Fallback::NoWorkerUp));
+}
