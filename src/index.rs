@@ -381,7 +381,7 @@ impl SyncIndex {
     }
 
     /// Puts a bucket back on the dirty list (its write failed).
-    pub fn mark_dirty(&mut self, b: u32) {
+    fn mark_dirty(&mut self, b: u32) {
         if (b as usize) < self.buckets.len() {
             self.mark(b);
         }

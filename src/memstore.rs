@@ -23,11 +23,6 @@ impl MemStore {
     pub fn calls(&self) -> (u64, u64) {
         (self.reads.get(), self.writes.get())
     }
-
-    /// Total bytes of all values (the host's shared-data memory, less key overhead).
-    pub fn value_bytes(&self) -> usize {
-        self.map.borrow().values().map(|(v, _)| v.len()).sum()
-    }
 }
 
 impl SharedStore for MemStore {

@@ -159,10 +159,6 @@ impl Router {
         Router { cfg, token_bytes: Vec::new(), candidates: Vec::new(), scored: Vec::new() }
     }
 
-    pub fn config(&self) -> &FilterConfig {
-        &self.cfg
-    }
-
     /// Decides where a request goes and records its blocks as in flight there.
     /// `now_ms`: wall-clock milliseconds; `entropy`: a random number, used only to break
     /// ties for requests without blocks.
@@ -193,7 +189,7 @@ impl Router {
                 candidates.insert(s);
             }
         }
-        let (hits, scanned) = self.scan(store, &hashes, candidates, table.n_buckets, now_ms, &mut d);
+        let (hits, scanned) = self.scan(store, &hashes, candidates, &table, now_ms, &mut d);
 
         // Choose: in PD mode the prefill worker first, then the destination list.
         let request_key = hashes.first().copied().unwrap_or(entropy);
@@ -275,18 +271,20 @@ impl Router {
         store: &dyn SharedStore,
         hashes: &[u64],
         mut alive: SlotSet,
-        n_buckets: u32,
+        table: &WorkerTable,
         now_ms: u64,
         d: &mut Decision,
     ) -> (Vec<u32>, Vec<ScannedBucket>) {
-        let mut hits = vec![0u32; MAX_SLOTS];
+        // Indexed by slot; every slot in `alive` is a slot of the table.
+        let mut hits = vec![0u32; table.slots.len()];
         let mut scanned = Vec::new();
         for seg in segments(hashes.len()) {
             if alive.is_empty() {
                 break;
             }
             d.shared_reads += 1;
-            let (value, cas) = store.get(&bucket_key(bucket_of(hashes[seg.start], n_buckets))).unwrap_or((None, None));
+            let (value, cas) =
+                store.get(&bucket_key(bucket_of(hashes[seg.start], table.n_buckets))).unwrap_or((None, None));
             let bucket = match value.as_deref().map(Bucket::parse).unwrap_or(Ok(Bucket::EMPTY)) {
                 Ok(b) => b,
                 Err(_) => {
@@ -299,7 +297,9 @@ impl Router {
             scanned.push(ScannedBucket { value, cas });
         }
         for slot in alive.iter() {
-            hits[slot] = hashes.len() as u32;
+            if let Some(h) = hits.get_mut(slot) {
+                *h = hashes.len() as u32;
+            }
         }
         (hits, scanned)
     }
