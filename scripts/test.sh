@@ -2,8 +2,11 @@
 # The whole test suite, from a fresh machine: installs what it needs, then runs
 #   1. formatting and lints,
 #   2. the routing core's unit tests, natively and compiled to wasm32 (node runs them),
-#   3. the release .wasm build,
-#   4. integration tests against a real Envoy with the built filter.
+#      and the sidecar's unit tests,
+#   3. the release builds: kvroute.wasm and kvroute-sidecar (libzmq is vendored: no system
+#      package needed),
+#   4. integration tests: the filter in a real Envoy; the sidecar against publishers using
+#      the engines' own encoder (msgspec) and ZMQ binding (pyzmq); both together end to end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -24,18 +27,20 @@ fi
 
 step "format and lints"
 cargo fmt --all -- --check
-cargo clippy --quiet --all-targets -- -D warnings
+cargo clippy --quiet --workspace --all-targets -- -D warnings
 cargo clippy --quiet --target wasm32-unknown-unknown --lib -- -D warnings
 
-step "core unit tests (native)"
+step "core and sidecar unit tests (native)"
 cargo test --quiet --lib
+cargo test --quiet -p kvroute-sidecar
 
 step "core unit tests (wasm32, in node)"
 CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUNNER=wasm-bindgen-test-runner \
   cargo test --target wasm32-unknown-unknown --no-default-features --lib  # the runner rejects --quiet
 
-step "building kvroute.wasm"
+step "building kvroute.wasm and kvroute-sidecar"
 cargo build --quiet --target wasm32-unknown-unknown --release
+cargo build --quiet --release -p kvroute-sidecar
 
-step "integration tests (real Envoy)"
+step "integration tests (real Envoy, real ZMQ publishers)"
 python3 -m pytest tests/integration -q -p no:cacheprovider

@@ -18,6 +18,7 @@ import yaml
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 WASM = ROOT / "target" / "wasm32-unknown-unknown" / "release" / "kvroute.wasm"
+SIDECAR = ROOT / "target" / "release" / "kvroute-sidecar"
 ENVOY_YAML = ROOT / "envoy" / "envoy.yaml"
 
 
@@ -211,3 +212,87 @@ def wait_for(predicate, timeout=10, interval=0.05, what="condition"):
             return last
         time.sleep(interval)
     raise AssertionError(f"timed out waiting for {what} (last: {last!r})")
+
+
+class Sidecar:
+    """The real kvroute-sidecar binary with a generated TOML config.
+    workers: [(id, events_endpoint, replay_endpoint or None, role)]."""
+
+    def __init__(self, workers, block_size=16, port=None, extra=None, args=(), wait=True):
+        if not SIDECAR.exists():
+            raise RuntimeError(f"{SIDECAR} missing: build it with `cargo build --release -p kvroute-sidecar`")
+        self.port = port or free_port()
+        self.dir = tempfile.mkdtemp(prefix="kvroute-sidecar-")
+        lines = [f"block_size = {block_size}", f'listen = "127.0.0.1:{self.port}"']
+        settings = {"health_interval_ms": 200, "silent_after_ms": 1000, "replay_timeout_ms": 1000}
+        settings.update(extra or {})
+        for k, v in settings.items():
+            lines.append(f"{k} = {json.dumps(v)}")
+        for wid, events, replay, role in workers:
+            lines += ["[[workers]]", f'id = "{wid}"', f'events = "{events}"', f'role = "{role}"']
+            if replay:
+                lines.append(f'replay = "{replay}"')
+        self.config_path = os.path.join(self.dir, "sidecar.toml")
+        pathlib.Path(self.config_path).write_text("\n".join(lines) + "\n")
+        self.log_path = os.path.join(self.dir, "sidecar.log")
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen([str(SIDECAR), "--config", self.config_path, *args],
+                                     stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                     env={**os.environ, "RUST_LOG": "info"})
+        if wait:
+            self._wait_ready()
+
+    def _wait_ready(self, timeout=15):
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"sidecar exited {self.proc.returncode}:\n{self.logs()}")
+            try:
+                if self.get("/healthz")[0] == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.05)
+        raise RuntimeError(f"sidecar not ready:\n{self.logs()}")
+
+    def logs(self):
+        return pathlib.Path(self.log_path).read_text(errors="replace")
+
+    def get(self, path, timeout=10):
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        try:
+            conn.request("GET", path)
+            r = conn.getresponse()
+            return r.status, r.read()
+        finally:
+            conn.close()
+
+    def json(self, path):
+        status, body = self.get(path)
+        return status, json.loads(body)
+
+    def block_count(self, wid):
+        return self.json(f"/v1/admin/cache-view/{wid}")[1]["block_count"]
+
+    def metrics(self):
+        """{'name{labels}': value} from /metrics."""
+        out = {}
+        for line in self.get("/metrics")[1].decode().splitlines():
+            if line and not line.startswith("#"):
+                k, v = line.rsplit(" ", 1)
+                out[k] = float(v)
+        return out
+
+    def metric(self, key):
+        return self.metrics().get(key, 0.0)
+
+    def stop(self, kill=False):
+        if self.proc.poll() is None:
+            self.proc.kill() if kill else self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        shutil.rmtree(self.dir, ignore_errors=True)

@@ -63,6 +63,40 @@ def encode_frame(kind, epoch, from_version, to_version, block_size, workers, ops
     return bytes(out)
 
 
+def decode_frame(data):
+    """A frame as a dict (the inverse of encode_frame); raises ValueError if malformed."""
+    if len(data) < 52 or data[:4] != MAGIC:
+        raise ValueError("not a KVRF frame")
+    version, kind, _flags, epoch, from_v, to_v, cursor, block_size, n_workers, n_ops = \
+        struct.unpack_from("<HBBQQQQIII", data, 4)
+    if version != VERSION:
+        raise ValueError(f"frame version {version}")
+    pos = 52
+    role_names = {v: k for k, v in ROLES.items()}
+    workers = []
+    for _ in range(n_workers):
+        n = data[pos]
+        wid = data[pos + 1:pos + 1 + n].decode()
+        role, state = data[pos + 1 + n], data[pos + 2 + n]
+        workers.append((wid, role_names[role], state == 0))
+        pos += 3 + n
+    ops = []
+    for _ in range(n_ops):
+        code, worker = struct.unpack_from("<BI", data, pos)
+        pos += 5
+        blocks = None
+        if code in (OP_STORE, OP_REMOVE):
+            (count,) = struct.unpack_from("<I", data, pos)
+            pos += 4
+            blocks = [struct.unpack_from("<QQ", data, pos + 16 * i) for i in range(count)]
+            pos += 16 * count
+        ops.append((code, worker, blocks))
+    if pos != len(data):
+        raise ValueError("trailing bytes")
+    return {"kind": kind, "epoch": epoch, "from": from_v, "to": to_v, "next_cursor": cursor,
+            "block_size": block_size, "workers": workers, "ops": ops}
+
+
 class FeedState:
     """The sidecar's side of the protocol: the fleet, what each worker holds, a change log."""
 

@@ -1,0 +1,498 @@
+//! One worker's KV cache as the router sees it: which blocks (named by router hash) the
+//! worker holds, kept in step with its engine's events.
+//!
+//! The engine names blocks by its own hashes, which the router cannot reproduce; the router
+//! names them by the chained hash of their tokens (`kvroute::hash`). A `BlockStored` gives
+//! both: its `token_ids`, and its parent's *engine* hash, which this map turns into the
+//! parent's router hash. So each worker keeps
+//!
+//! - per data-parallel rank, `engine hash → router hash(es)` (for parents and removals), and
+//! - `router hash → (anchor, position, holders)`: what the feed publishes.
+//!
+//! A block can be held several times over: by several DP ranks, in several KV-cache groups
+//! (hybrid models), in GPU memory and in an offload tier. The worker holds it while any copy
+//! exists; storing a held copy again changes nothing.
+
+use crate::events::{BlockRemoved, BlockStored, ExtraKeys, Medium};
+use kvroute::feed::FeedBlock;
+use kvroute::hash::{chain_hash, local_hash};
+use kvroute::layout::anchor_position;
+use std::collections::HashMap;
+
+/// Copies are tracked per (KV-cache group, medium) in a 32-bit mask: 16 groups.
+pub const MAX_GROUPS: u32 = 16;
+
+/// A change to the worker's published block set.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Change {
+    Store(FeedBlock),
+    Remove(FeedBlock),
+}
+
+/// What became of one event.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Outcome {
+    /// Applied; the published set may or may not have changed.
+    Applied,
+    /// The parent's engine hash is unknown (its store was missed or skipped): the chain is
+    /// skipped rather than hashed from a wrong root.
+    UnknownParent,
+    /// The engine's block size is not a multiple of the router's.
+    BlockSizeMismatch,
+    /// Token count, hash count and block size disagree; or the group index is out of range.
+    Malformed,
+    /// Stored under a LoRA adapter or with extra keys (cache salt, multimodal inputs): the
+    /// router's hash of the tokens alone would name another prefix, so it is not indexed.
+    Namespaced,
+    /// A removal of a block this index does not hold (its store was skipped or missed).
+    NotHeld,
+}
+
+impl Outcome {
+    pub const ALL: [Outcome; 6] = [
+        Outcome::Applied,
+        Outcome::UnknownParent,
+        Outcome::BlockSizeMismatch,
+        Outcome::Malformed,
+        Outcome::Namespaced,
+        Outcome::NotHeld,
+    ];
+
+    pub fn label(self) -> &'static str {
+        match self {
+            Outcome::Applied => "applied",
+            Outcome::UnknownParent => "unknown_parent",
+            Outcome::BlockSizeMismatch => "block_size_mismatch",
+            Outcome::Malformed => "malformed",
+            Outcome::Namespaced => "namespaced",
+            Outcome::NotHeld => "not_held",
+        }
+    }
+}
+
+/// The router hashes one engine block covers: one when the block sizes match, several when
+/// the engine's blocks are a multiple of the router's.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Routers {
+    One(u64),
+    Many(Box<[u64]>),
+}
+
+impl Routers {
+    fn as_slice(&self) -> &[u64] {
+        match self {
+            Routers::One(h) => std::slice::from_ref(h),
+            Routers::Many(hs) => hs,
+        }
+    }
+    fn last(&self) -> u64 {
+        match self {
+            Routers::One(h) => *h,
+            Routers::Many(hs) => hs.last().copied().unwrap_or(0),
+        }
+    }
+}
+
+#[derive(Debug)]
+struct EngineBlock {
+    routers: Routers,
+    /// Bit `2·group + tier` (tier 0 = GPU, 1 = offloaded) per copy the engine holds.
+    copies: u32,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct RouterBlock {
+    anchor: u64,
+    /// 0-based position in its chain.
+    pos: u32,
+    /// Engine blocks (over all ranks) holding a copy.
+    holders: u16,
+    /// Those of them holding it in GPU memory.
+    gpu_holders: u16,
+}
+
+#[derive(Debug, Default)]
+pub struct WorkerCache {
+    /// Per DP rank.
+    ranks: Vec<HashMap<u64, EngineBlock>>,
+    blocks: HashMap<u64, RouterBlock>,
+}
+
+fn copy_bit(group: u32, medium: Medium) -> u32 {
+    1 << (2 * group + u32::from(medium == Medium::Offloaded))
+}
+
+const GPU_BITS: u32 = 0x5555_5555;
+
+impl WorkerCache {
+    pub fn new(dp_ranks: usize) -> Self {
+        WorkerCache { ranks: (0..dp_ranks.max(1)).map(|_| HashMap::new()).collect(), blocks: HashMap::new() }
+    }
+
+    /// Distinct blocks the worker holds (any tier).
+    pub fn block_count(&self) -> usize {
+        self.blocks.len()
+    }
+
+    /// Of them, held only in an offload tier.
+    pub fn offloaded_count(&self) -> usize {
+        self.blocks.values().filter(|b| b.gpu_holders == 0).count()
+    }
+
+    /// Every block held, as the feed names it.
+    pub fn feed_blocks(&self) -> impl Iterator<Item = FeedBlock> + '_ {
+        self.blocks.iter().map(|(h, b)| FeedBlock { hash: *h, anchor: b.anchor })
+    }
+
+    pub fn apply_stored(
+        &mut self,
+        rank: usize,
+        ev: &BlockStored,
+        router_block_size: u32,
+        out: &mut Vec<Change>,
+    ) -> Outcome {
+        let engine_bs = ev.block_size as usize;
+        let rbs = router_block_size as usize;
+        if engine_bs == 0 || ev.group_idx >= MAX_GROUPS || ev.token_ids.len() != ev.block_hashes.len() * engine_bs {
+            return Outcome::Malformed;
+        }
+        if rbs == 0 || !engine_bs.is_multiple_of(rbs) {
+            return Outcome::BlockSizeMismatch;
+        }
+        let namespaced =
+            ev.lora_id.is_some() || ev.lora_name.is_some() || ev.extra_keys.iter().any(|k| *k != ExtraKeys::None);
+        if namespaced {
+            return Outcome::Namespaced;
+        }
+        let Some(engine) = self.ranks.get_mut(rank) else {
+            return Outcome::Malformed;
+        };
+        let (mut parent_hash, mut parent_pos) = match ev.parent {
+            None => (None, None),
+            Some(p) => {
+                let Some(router) = engine.get(&p).map(|e| e.routers.last()) else {
+                    return Outcome::UnknownParent;
+                };
+                let Some(rb) = self.blocks.get(&router) else {
+                    return Outcome::UnknownParent;
+                };
+                (Some((router, rb.anchor)), Some(rb.pos))
+            }
+        };
+        let bit = copy_bit(ev.group_idx, ev.medium);
+        let per_engine = engine_bs / rbs;
+        let mut block_le = Vec::with_capacity(rbs * 4);
+        for (i, &engine_hash) in ev.block_hashes.iter().enumerate() {
+            let tokens = &ev.token_ids[i * engine_bs..(i + 1) * engine_bs];
+            let mut routers = Vec::with_capacity(per_engine);
+            for sub in tokens.chunks_exact(rbs) {
+                block_le.clear();
+                block_le.extend(sub.iter().flat_map(|t| t.to_le_bytes()));
+                let local = local_hash(&block_le);
+                let pos = parent_pos.map_or(0, |p: u32| p.saturating_add(1));
+                let hash = match parent_hash {
+                    None => local,
+                    Some((ph, _)) => chain_hash(ph, local),
+                };
+                let anchor = match parent_hash {
+                    Some((_, pa)) if anchor_position(pos as usize) != pos as usize => pa,
+                    _ => hash,
+                };
+                routers.push((hash, anchor, pos));
+                parent_hash = Some((hash, anchor));
+                parent_pos = Some(pos);
+            }
+            let new_routers = if routers.len() == 1 {
+                Routers::One(routers[0].0)
+            } else {
+                Routers::Many(routers.iter().map(|r| r.0).collect())
+            };
+            match engine.get_mut(&engine_hash) {
+                Some(e) if e.routers == new_routers => {
+                    if e.copies & bit != 0 {
+                        continue; // the same copy again: nothing changes
+                    }
+                    let gained_gpu = (e.copies & GPU_BITS) == 0 && (bit & GPU_BITS) != 0;
+                    e.copies |= bit;
+                    if gained_gpu {
+                        for h in e.routers.as_slice() {
+                            if let Some(b) = self.blocks.get_mut(h) {
+                                b.gpu_holders = b.gpu_holders.saturating_add(1);
+                            }
+                        }
+                    }
+                    continue;
+                }
+                Some(_) => {
+                    // Same engine hash, other tokens or parent: the engine reused the hash
+                    // (it restarted, or hashes collided). The new content replaces the old.
+                    if let Some(old) = engine.remove(&engine_hash) {
+                        release(&mut self.blocks, &old.routers, old.copies & GPU_BITS != 0, out);
+                    }
+                }
+                None => {}
+            }
+            let gpu = bit & GPU_BITS != 0;
+            for &(hash, anchor, pos) in &routers {
+                let b = self.blocks.entry(hash).or_insert_with(|| {
+                    out.push(Change::Store(FeedBlock { hash, anchor }));
+                    RouterBlock { anchor, pos, holders: 0, gpu_holders: 0 }
+                });
+                b.holders = b.holders.saturating_add(1);
+                if gpu {
+                    b.gpu_holders = b.gpu_holders.saturating_add(1);
+                }
+            }
+            engine.insert(engine_hash, EngineBlock { routers: new_routers, copies: bit });
+        }
+        Outcome::Applied
+    }
+
+    pub fn apply_removed(&mut self, rank: usize, ev: &BlockRemoved, out: &mut Vec<Change>) -> Outcome {
+        if ev.group_idx >= MAX_GROUPS {
+            return Outcome::Malformed;
+        }
+        let Some(engine) = self.ranks.get_mut(rank) else {
+            return Outcome::Malformed;
+        };
+        let bit = copy_bit(ev.group_idx, ev.medium);
+        let mut all_held = true;
+        for h in &ev.block_hashes {
+            let Some(e) = engine.get_mut(h) else {
+                all_held = false;
+                continue;
+            };
+            if e.copies & bit == 0 {
+                all_held = false;
+                continue;
+            }
+            let had_gpu = e.copies & GPU_BITS != 0;
+            e.copies &= !bit;
+            if e.copies == 0 {
+                if let Some(old) = engine.remove(h) {
+                    release(&mut self.blocks, &old.routers, had_gpu, out);
+                }
+            } else if had_gpu && e.copies & GPU_BITS == 0 {
+                for r in e.routers.as_slice() {
+                    if let Some(b) = self.blocks.get_mut(r) {
+                        b.gpu_holders = b.gpu_holders.saturating_sub(1);
+                    }
+                }
+            }
+        }
+        if all_held {
+            Outcome::Applied
+        } else {
+            Outcome::NotHeld
+        }
+    }
+
+    /// Forgets everything one DP rank holds (`AllBlocksCleared`, a restart, a lost stream).
+    /// Returns true if the worker now holds nothing at all.
+    pub fn clear_rank(&mut self, rank: usize, out: &mut Vec<Change>) -> bool {
+        let sole = self.ranks.len() == 1;
+        if let Some(engine) = self.ranks.get_mut(rank) {
+            if sole {
+                // Sole rank: drop everything at once (the caller publishes a CLEAR).
+                engine.clear();
+                self.blocks.clear();
+            } else {
+                for (_, old) in engine.drain() {
+                    release(&mut self.blocks, &old.routers, old.copies & GPU_BITS != 0, out);
+                }
+            }
+        }
+        self.blocks.is_empty()
+    }
+
+    /// Approximate heap bytes held (hash tables at their capacity).
+    pub fn heap_bytes(&self) -> usize {
+        fn table<K, V>(m: &HashMap<K, V>) -> usize {
+            // hashbrown: one control byte per bucket, buckets = capacity / 0.875 rounded up
+            // to a power of two; `capacity()` already reports usable buckets.
+            let buckets = (m.capacity() * 8).div_ceil(7).next_power_of_two();
+            buckets * (std::mem::size_of::<(K, V)>() + 1)
+        }
+        let many: usize = self
+            .ranks
+            .iter()
+            .flat_map(|m| m.values())
+            .map(|e| match &e.routers {
+                Routers::Many(hs) => hs.len() * 8,
+                Routers::One(_) => 0,
+            })
+            .sum();
+        self.ranks.iter().map(table).sum::<usize>() + table(&self.blocks) + many
+    }
+}
+
+/// Drops one engine block's hold on its router blocks; `gpu`: it held a GPU copy.
+fn release(blocks: &mut HashMap<u64, RouterBlock>, routers: &Routers, gpu: bool, out: &mut Vec<Change>) {
+    for h in routers.as_slice() {
+        let Some(b) = blocks.get_mut(h) else { continue };
+        b.holders = b.holders.saturating_sub(1);
+        if gpu {
+            b.gpu_holders = b.gpu_holders.saturating_sub(1);
+        }
+        if b.holders == 0 {
+            let anchor = b.anchor;
+            blocks.remove(h);
+            out.push(Change::Remove(FeedBlock { hash: *h, anchor }));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stored(hashes: &[u64], parent: Option<u64>, tokens: Vec<u32>, bs: u32) -> BlockStored {
+        BlockStored {
+            block_hashes: hashes.to_vec(),
+            parent,
+            token_ids: tokens,
+            block_size: bs,
+            medium: Medium::Gpu,
+            lora_id: None,
+            lora_name: None,
+            extra_keys: Vec::new(),
+            group_idx: 0,
+        }
+    }
+
+    fn removed(hashes: &[u64]) -> BlockRemoved {
+        BlockRemoved { block_hashes: hashes.to_vec(), medium: Medium::Gpu, group_idx: 0 }
+    }
+
+    fn toks(n: u32) -> Vec<u32> {
+        (1000..1000 + n).collect()
+    }
+
+    #[test]
+    fn router_hashes_match_the_filters_chain_whatever_the_event_split() {
+        let tokens = toks(16 * 40);
+        let want = FeedBlock::chain(&tokens, 16);
+        // One event with all 40 blocks…
+        let mut a = WorkerCache::new(1);
+        let mut out = Vec::new();
+        let hashes: Vec<u64> = (1..=40).collect();
+        assert_eq!(a.apply_stored(0, &stored(&hashes, None, tokens.clone(), 16), 16, &mut out), Outcome::Applied);
+        let got: Vec<FeedBlock> = out.iter().map(|c| if let Change::Store(b) = c { *b } else { panic!() }).collect();
+        assert_eq!(got, want);
+        // …or one per block, as SGLang sends pages: the same hashes and anchors.
+        let mut b = WorkerCache::new(1);
+        let mut out = Vec::new();
+        for i in 0..40usize {
+            let parent = if i == 0 { None } else { Some(i as u64) };
+            let ev = stored(&[i as u64 + 1], parent, tokens[i * 16..(i + 1) * 16].to_vec(), 16);
+            assert_eq!(b.apply_stored(0, &ev, 16, &mut out), Outcome::Applied);
+        }
+        let got: Vec<FeedBlock> = out.iter().map(|c| if let Change::Store(b) = c { *b } else { panic!() }).collect();
+        assert_eq!(got, want);
+    }
+
+    #[test]
+    fn engine_blocks_a_multiple_of_the_router_block_are_split() {
+        let tokens = toks(64 * 3);
+        let want = FeedBlock::chain(&tokens, 16);
+        let mut c = WorkerCache::new(1);
+        let mut out = Vec::new();
+        assert_eq!(
+            c.apply_stored(0, &stored(&[1, 2], None, tokens[..128].to_vec(), 64), 16, &mut out),
+            Outcome::Applied
+        );
+        assert_eq!(
+            c.apply_stored(0, &stored(&[3], Some(2), tokens[128..].to_vec(), 64), 16, &mut out),
+            Outcome::Applied
+        );
+        assert_eq!(c.block_count(), 12);
+        let mut got: Vec<FeedBlock> = c.feed_blocks().collect();
+        let mut w = want.clone();
+        got.sort_by_key(|b| b.hash);
+        w.sort_by_key(|b| b.hash);
+        assert_eq!(got, w);
+        // Removing engine block 2 removes its four router blocks.
+        out.clear();
+        assert_eq!(c.apply_removed(0, &removed(&[2]), &mut out), Outcome::Applied);
+        assert_eq!(out.len(), 4);
+        assert_eq!(c.block_count(), 8);
+        // 24 is not a multiple of 16.
+        assert_eq!(c.apply_stored(0, &stored(&[9], None, toks(24), 24), 16, &mut out), Outcome::BlockSizeMismatch);
+    }
+
+    #[test]
+    fn storing_again_is_flat_and_removal_is_exact() {
+        let mut c = WorkerCache::new(1);
+        let mut out = Vec::new();
+        let ev = stored(&[1, 2], None, toks(32), 16);
+        c.apply_stored(0, &ev, 16, &mut out);
+        assert_eq!(out.len(), 2);
+        out.clear();
+        c.apply_stored(0, &ev, 16, &mut out);
+        assert!(out.is_empty());
+        assert_eq!(c.block_count(), 2);
+        assert_eq!(c.apply_removed(0, &removed(&[2, 77]), &mut out), Outcome::NotHeld);
+        assert_eq!(c.block_count(), 1);
+        assert!(matches!(out[..], [Change::Remove(_)]));
+    }
+
+    #[test]
+    fn unknown_parent_skips_the_chain() {
+        let mut c = WorkerCache::new(1);
+        let mut out = Vec::new();
+        assert_eq!(c.apply_stored(0, &stored(&[5], Some(4), toks(16), 16), 16, &mut out), Outcome::UnknownParent);
+        assert_eq!(c.block_count(), 0);
+        assert!(out.is_empty());
+    }
+
+    #[test]
+    fn copies_in_two_tiers_and_two_ranks_hold_until_the_last_goes() {
+        let mut c = WorkerCache::new(2);
+        let mut out = Vec::new();
+        let gpu = stored(&[1], None, toks(16), 16);
+        let mut cpu = gpu.clone();
+        cpu.medium = Medium::Offloaded;
+        c.apply_stored(0, &gpu, 16, &mut out);
+        c.apply_stored(0, &cpu, 16, &mut out);
+        c.apply_stored(1, &gpu, 16, &mut out);
+        assert_eq!((c.block_count(), out.len()), (1, 1));
+        c.apply_removed(0, &removed(&[1]), &mut out);
+        let mut r1 = removed(&[1]);
+        r1.medium = Medium::Gpu;
+        c.apply_removed(1, &r1, &mut out);
+        // rank 0 still has the CPU copy: held, offloaded only.
+        assert_eq!((c.block_count(), c.offloaded_count()), (1, 1));
+        let mut rc = removed(&[1]);
+        rc.medium = Medium::Offloaded;
+        c.apply_removed(0, &rc, &mut out);
+        assert_eq!(c.block_count(), 0);
+        assert!(matches!(out.last(), Some(Change::Remove(_))));
+    }
+
+    #[test]
+    fn clearing_one_rank_keeps_the_others_blocks() {
+        let mut c = WorkerCache::new(2);
+        let mut out = Vec::new();
+        c.apply_stored(0, &stored(&[1, 2], None, toks(32), 16), 16, &mut out);
+        c.apply_stored(1, &stored(&[7], None, toks(16), 16), 16, &mut out);
+        out.clear();
+        assert!(!c.clear_rank(0, &mut out));
+        assert_eq!(c.block_count(), 1); // block 0 is shared with rank 1
+        assert_eq!(out.len(), 1);
+        assert!(c.clear_rank(1, &mut out));
+    }
+
+    #[test]
+    fn namespaced_and_malformed_events_are_not_indexed() {
+        let mut c = WorkerCache::new(1);
+        let mut out = Vec::new();
+        let mut lora = stored(&[1], None, toks(16), 16);
+        lora.lora_name = Some("sql-adapter".into());
+        assert_eq!(c.apply_stored(0, &lora, 16, &mut out), Outcome::Namespaced);
+        let mut salted = stored(&[1], None, toks(16), 16);
+        salted.extra_keys = vec![ExtraKeys::Strings(vec!["salt".into()])];
+        assert_eq!(c.apply_stored(0, &salted, 16, &mut out), Outcome::Namespaced);
+        assert_eq!(c.apply_stored(0, &stored(&[1, 2], None, toks(16), 16), 16, &mut out), Outcome::Malformed);
+        assert_eq!(c.block_count(), 0);
+    }
+}

@@ -1,0 +1,157 @@
+//! The feed's change log: every change to any worker's block set since some version, so a
+//! client at that version gets a delta instead of a snapshot. Bounded by blocks held; the
+//! oldest versions fall off, and a client older than that gets a snapshot.
+
+use kvroute::feed::{FeedBlock, Op};
+use std::collections::VecDeque;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Entry {
+    Store(Vec<FeedBlock>),
+    Remove(Vec<FeedBlock>),
+    Clear,
+}
+
+#[derive(Debug)]
+struct Logged {
+    version: u64,
+    worker: u32,
+    entry: Entry,
+}
+
+#[derive(Debug)]
+pub struct ChangeLog {
+    entries: VecDeque<Logged>,
+    blocks: usize,
+    max_blocks: usize,
+    /// Deltas can be served for any `since` ≥ this.
+    floor: u64,
+}
+
+impl ChangeLog {
+    pub fn new(max_blocks: usize) -> Self {
+        ChangeLog { entries: VecDeque::new(), blocks: 0, max_blocks: max_blocks.max(1), floor: 0 }
+    }
+
+    pub fn floor(&self) -> u64 {
+        self.floor
+    }
+
+    pub fn blocks(&self) -> usize {
+        self.blocks
+    }
+
+    pub fn store(&mut self, version: u64, worker: u32, blocks: Vec<FeedBlock>) {
+        self.push(version, worker, Entry::Store(blocks));
+    }
+
+    pub fn remove(&mut self, version: u64, worker: u32, blocks: Vec<FeedBlock>) {
+        self.push(version, worker, Entry::Remove(blocks));
+    }
+
+    pub fn clear(&mut self, version: u64, worker: u32) {
+        self.push(version, worker, Entry::Clear);
+    }
+
+    fn push(&mut self, version: u64, worker: u32, entry: Entry) {
+        let n = match &entry {
+            Entry::Store(b) | Entry::Remove(b) => b.len(),
+            Entry::Clear => 1,
+        };
+        if n == 0 {
+            return;
+        }
+        self.blocks += n;
+        self.entries.push_back(Logged { version, worker, entry });
+        self.trim();
+    }
+
+    /// Drops whole versions from the front until the log fits, never the newest version.
+    fn trim(&mut self) {
+        while self.blocks > self.max_blocks {
+            let Some(oldest) = self.entries.front().map(|e| e.version) else { break };
+            if self.entries.back().map(|e| e.version) == Some(oldest) {
+                break;
+            }
+            while self.entries.front().is_some_and(|e| e.version == oldest) {
+                if let Some(e) = self.entries.pop_front() {
+                    self.blocks -= match &e.entry {
+                        Entry::Store(b) | Entry::Remove(b) => b.len(),
+                        Entry::Clear => 1,
+                    };
+                }
+            }
+            self.floor = oldest;
+        }
+    }
+
+    /// The ops taking a client from `since` to the newest version, merged where consecutive
+    /// entries are the same kind for the same worker. `None` if `since` is below the floor.
+    pub fn delta(&self, since: u64) -> Option<Vec<Op>> {
+        if since < self.floor {
+            return None;
+        }
+        let start = self.entries.partition_point(|e| e.version <= since);
+        let mut ops: Vec<Op> = Vec::new();
+        for e in self.entries.range(start..) {
+            match (&e.entry, ops.last_mut()) {
+                (Entry::Store(b), Some(Op::Store { worker, blocks })) if *worker == e.worker => {
+                    blocks.extend_from_slice(b)
+                }
+                (Entry::Remove(b), Some(Op::Remove { worker, blocks })) if *worker == e.worker => {
+                    blocks.extend_from_slice(b)
+                }
+                (Entry::Store(b), _) => ops.push(Op::Store { worker: e.worker, blocks: b.clone() }),
+                (Entry::Remove(b), _) => ops.push(Op::Remove { worker: e.worker, blocks: b.clone() }),
+                (Entry::Clear, _) => ops.push(Op::Clear { worker: e.worker }),
+            }
+        }
+        Some(ops)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn b(h: u64) -> FeedBlock {
+        FeedBlock { hash: h, anchor: h }
+    }
+
+    #[test]
+    fn delta_merges_runs_and_starts_after_since() {
+        let mut log = ChangeLog::new(100);
+        log.store(1, 0, vec![b(1)]);
+        log.store(2, 0, vec![b(2)]);
+        log.store(2, 1, vec![b(3)]);
+        log.remove(3, 1, vec![b(3)]);
+        log.clear(4, 0);
+        assert_eq!(
+            log.delta(1).unwrap(),
+            vec![
+                Op::Store { worker: 0, blocks: vec![b(2)] },
+                Op::Store { worker: 1, blocks: vec![b(3)] },
+                Op::Remove { worker: 1, blocks: vec![b(3)] },
+                Op::Clear { worker: 0 },
+            ]
+        );
+        assert_eq!(log.delta(0).unwrap()[0], Op::Store { worker: 0, blocks: vec![b(1), b(2)] });
+        assert!(log.delta(4).unwrap().is_empty());
+    }
+
+    #[test]
+    fn trimming_drops_whole_versions_and_raises_the_floor() {
+        let mut log = ChangeLog::new(3);
+        log.store(1, 0, vec![b(1), b(2)]);
+        log.store(2, 0, vec![b(3)]);
+        assert_eq!(log.floor(), 0);
+        log.store(3, 0, vec![b(4)]);
+        assert_eq!(log.floor(), 1);
+        assert!(log.delta(0).is_none());
+        assert_eq!(log.delta(1).unwrap(), vec![Op::Store { worker: 0, blocks: vec![b(3), b(4)] }]);
+        // A single version larger than the bound is kept whole.
+        log.store(4, 0, (10..20).map(b).collect());
+        assert_eq!(log.floor(), 3);
+        assert_eq!(log.delta(3).unwrap().len(), 1);
+    }
+}

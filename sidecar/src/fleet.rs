@@ -1,0 +1,525 @@
+//! The whole fleet's state: every worker's cache, the feed's version and change log, and
+//! the counters `/metrics` shows. One `Fleet` lives behind a mutex; the ingest thread
+//! applies events to it, the HTTP server reads frames and views from it.
+
+use crate::cache::{Change, Outcome, WorkerCache};
+use crate::changelog::ChangeLog;
+use crate::config::{Config, WorkerConfig};
+use crate::events::{Batch, Event};
+use bytes::Bytes;
+use kvroute::feed::{FeedBlock, FeedWorker, Frame, FrameKind, Op};
+use kvroute::layout::Role;
+use std::time::Instant;
+use tokio::sync::watch;
+
+/// Why a worker's (rank's) state was thrown away and rebuilt from later events.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ResetReason {
+    /// The sequence number went back: the publisher (engine) restarted.
+    PublisherRestart,
+    /// Batches were missed and could not be replayed.
+    GapNotReplayed,
+    /// A batch could not be decoded, so what it changed is unknown.
+    UndecodableBatch,
+}
+
+impl ResetReason {
+    pub const ALL: [ResetReason; 3] =
+        [ResetReason::PublisherRestart, ResetReason::GapNotReplayed, ResetReason::UndecodableBatch];
+    pub fn label(self) -> &'static str {
+        match self {
+            ResetReason::PublisherRestart => "publisher_restart",
+            ResetReason::GapNotReplayed => "gap_not_replayed",
+            ResetReason::UndecodableBatch => "undecodable_batch",
+        }
+    }
+}
+
+pub const EVENT_TYPES: [&str; 4] = ["BlockStored", "BlockRemoved", "AllBlocksCleared", "unknown"];
+
+#[derive(Debug, Default, Clone)]
+pub struct Stats {
+    /// [event type][outcome] (indices of `EVENT_TYPES` and `Outcome::ALL`).
+    pub events: [[u64; Outcome::ALL.len()]; EVENT_TYPES.len()],
+    pub blocks_stored: u64,
+    pub blocks_removed: u64,
+    pub batches: u64,
+    /// Payloads that did not decode.
+    pub batches_bad: u64,
+    /// ZMQ messages that were not `[topic, seq(8), payload]`.
+    pub frames_bad: u64,
+    pub gaps: u64,
+    pub replays_ok: u64,
+    pub replays_failed: u64,
+    pub resets: [u64; ResetReason::ALL.len()],
+    /// Feed frames served: delta, snapshot first page, later page.
+    pub feed_frames: [u64; 3],
+    pub feed_bad_requests: u64,
+    /// Long polls waiting now.
+    pub feed_waiting: u64,
+    /// `version - since` of the latest feed request.
+    pub feed_lag_versions: u64,
+}
+
+#[derive(Debug, Default, Clone)]
+pub struct RankState {
+    pub last_seq: Option<u64>,
+    pub last_event_at: Option<Instant>,
+    /// Receive time minus the batch's `ts`, of the latest batch.
+    pub lag_ms: Option<f64>,
+}
+
+#[derive(Debug)]
+pub struct WorkerState {
+    pub config: WorkerConfig,
+    pub cache: WorkerCache,
+    pub up: bool,
+    pub ranks: Vec<RankState>,
+}
+
+/// A snapshot cut at one version, kept so its later pages show that same version.
+struct Snapshot {
+    version: u64,
+    pages: Vec<Bytes>,
+}
+
+pub struct Fleet {
+    epoch: u64,
+    version: u64,
+    block_size: u32,
+    page_blocks: usize,
+    pub workers: Vec<WorkerState>,
+    log: ChangeLog,
+    snapshot: Option<Snapshot>,
+    pub stats: Stats,
+    version_tx: watch::Sender<u64>,
+    changes: Vec<Change>,
+}
+
+/// The feed's answer to one poll.
+pub enum FeedReply {
+    Frame(Bytes),
+    /// Nothing new: wait for a change, then ask again with `may_wait = false`.
+    Wait,
+}
+
+impl Fleet {
+    pub fn new(config: &Config, epoch: u64) -> Fleet {
+        let workers = config
+            .workers
+            .iter()
+            .map(|w| WorkerState {
+                config: w.clone(),
+                cache: WorkerCache::new(w.dp_ranks as usize),
+                up: true,
+                ranks: vec![RankState::default(); w.dp_ranks as usize],
+            })
+            .collect();
+        let (version_tx, _) = watch::channel(0);
+        Fleet {
+            epoch: epoch.max(1),
+            version: 0,
+            block_size: config.block_size,
+            page_blocks: config.snapshot_page_blocks,
+            workers,
+            log: ChangeLog::new(config.log_max_blocks),
+            snapshot: None,
+            stats: Stats::default(),
+            version_tx,
+            changes: Vec::new(),
+        }
+    }
+
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+    pub fn version(&self) -> u64 {
+        self.version
+    }
+    pub fn log_blocks(&self) -> usize {
+        self.log.blocks()
+    }
+
+    /// Wakes when the version moves.
+    pub fn subscribe(&self) -> watch::Receiver<u64> {
+        self.version_tx.subscribe()
+    }
+
+    /// Applies one decoded batch from worker `w`, DP rank `rank`, sequence `seq`.
+    pub fn apply_batch(&mut self, w: usize, rank: usize, seq: u64, batch: &Batch, now: Instant, now_unix: f64) {
+        let Some(worker) = self.workers.get_mut(w) else { return };
+        self.stats.batches += 1;
+        if let Some(r) = worker.ranks.get_mut(rank) {
+            r.last_seq = Some(seq);
+            r.last_event_at = Some(now);
+            r.lag_ms = Some(((now_unix - batch.ts) * 1000.0).max(0.0));
+        }
+        let mut changed = false;
+        let mut changes = std::mem::take(&mut self.changes);
+        for ev in &batch.events {
+            let (kind, outcome) = match ev {
+                Event::Stored(s) => {
+                    let o = worker.cache.apply_stored(rank, s, self.block_size, &mut changes);
+                    if o == Outcome::Applied {
+                        self.stats.blocks_stored += s.block_hashes.len() as u64;
+                    }
+                    (0, o)
+                }
+                Event::Removed(r) => {
+                    self.stats.blocks_removed += r.block_hashes.len() as u64;
+                    (1, worker.cache.apply_removed(rank, r, &mut changes))
+                }
+                Event::Cleared => {
+                    changed |= Self::clear_into(&mut self.log, self.version + 1, w, worker, rank, &mut changes);
+                    (2, Outcome::Applied)
+                }
+                Event::Unknown(tag) => {
+                    log::debug!("worker {}: skipped unknown event type {tag:?}", worker.config.id);
+                    (3, Outcome::Malformed)
+                }
+            };
+            if let Some(i) = Outcome::ALL.iter().position(|o| *o == outcome) {
+                self.stats.events[kind][i] += 1;
+            }
+            changed |= Self::log_changes(&mut self.log, self.version + 1, w, &mut changes);
+        }
+        self.changes = changes;
+        if changed {
+            self.bump();
+        }
+    }
+
+    /// Forgets what DP rank `rank` of worker `w` holds, to rebuild it from later events.
+    pub fn reset_rank(&mut self, w: usize, rank: usize, reason: ResetReason) {
+        let Some(worker) = self.workers.get_mut(w) else { return };
+        if let Some(i) = ResetReason::ALL.iter().position(|r| *r == reason) {
+            self.stats.resets[i] += 1;
+        }
+        log::warn!("worker {} rank {rank}: cleared and rebuilding ({})", worker.config.id, reason.label());
+        let mut changes = std::mem::take(&mut self.changes);
+        let changed = Self::clear_into(&mut self.log, self.version + 1, w, worker, rank, &mut changes);
+        self.changes = changes;
+        if changed {
+            self.bump();
+        }
+    }
+
+    /// Marks a worker up or down; a change is a new version (the worker list changed).
+    pub fn set_up(&mut self, w: usize, up: bool) {
+        let Some(worker) = self.workers.get_mut(w) else { return };
+        if worker.up != up {
+            worker.up = up;
+            log::warn!("worker {} marked {}", worker.config.id, if up { "up" } else { "down" });
+            self.bump();
+        }
+    }
+
+    fn clear_into(
+        log: &mut ChangeLog,
+        version: u64,
+        w: usize,
+        worker: &mut WorkerState,
+        rank: usize,
+        changes: &mut Vec<Change>,
+    ) -> bool {
+        let had = worker.cache.block_count();
+        if worker.cache.clear_rank(rank, changes) {
+            changes.clear();
+            if had > 0 {
+                log.clear(version, w as u32);
+                return true;
+            }
+            false
+        } else {
+            Self::log_changes(log, version, w, changes)
+        }
+    }
+
+    fn log_changes(log: &mut ChangeLog, version: u64, w: usize, changes: &mut Vec<Change>) -> bool {
+        if changes.is_empty() {
+            return false;
+        }
+        let mut run: Vec<FeedBlock> = Vec::new();
+        let mut storing = true;
+        for c in changes.drain(..) {
+            let (is_store, b) = match c {
+                Change::Store(b) => (true, b),
+                Change::Remove(b) => (false, b),
+            };
+            if is_store != storing && !run.is_empty() {
+                let blocks = std::mem::take(&mut run);
+                if storing {
+                    log.store(version, w as u32, blocks)
+                } else {
+                    log.remove(version, w as u32, blocks)
+                }
+            }
+            storing = is_store;
+            run.push(b);
+        }
+        if storing {
+            log.store(version, w as u32, run)
+        } else {
+            log.remove(version, w as u32, run)
+        }
+        true
+    }
+
+    fn bump(&mut self) {
+        self.version += 1;
+        self.version_tx.send_replace(self.version);
+    }
+
+    fn feed_workers(&self) -> Vec<FeedWorker> {
+        self.workers.iter().map(|w| FeedWorker { id: w.config.id.clone(), role: w.config.role, up: w.up }).collect()
+    }
+
+    /// Answers a poll (`docs/feed-protocol.md`, "Response").
+    pub fn feed(&mut self, epoch: u64, since: u64, cursor: u64, may_wait: bool) -> FeedReply {
+        self.stats.feed_lag_versions = self.version.saturating_sub(since);
+        let fresh = epoch != self.epoch || epoch == 0 || since > self.version;
+        if !fresh && cursor != 0 {
+            if let Some(s) = self.snapshot.as_ref().filter(|s| s.version == since) {
+                if let Some(page) = usize::try_from(cursor).ok().and_then(|c| s.pages.get(c)) {
+                    self.stats.feed_frames[2] += 1;
+                    return FeedReply::Frame(page.clone());
+                }
+            }
+        }
+        if !fresh && cursor == 0 {
+            if since == self.version && may_wait {
+                return FeedReply::Wait;
+            }
+            if let Some(ops) = self.log.delta(since) {
+                self.stats.feed_frames[0] += 1;
+                let frame = Frame {
+                    kind: FrameKind::Delta,
+                    epoch: self.epoch,
+                    from_version: since,
+                    to_version: self.version,
+                    next_cursor: 0,
+                    block_size: self.block_size,
+                    workers: self.feed_workers(),
+                    ops,
+                };
+                return FeedReply::Frame(Bytes::from(frame.encode()));
+            }
+        }
+        self.stats.feed_frames[1] += 1;
+        if self.snapshot.as_ref().is_none_or(|s| s.version != self.version) {
+            self.snapshot = Some(Snapshot { version: self.version, pages: self.snapshot_pages() });
+        }
+        match self.snapshot.as_ref().and_then(|s| s.pages.first()) {
+            Some(p) => FeedReply::Frame(p.clone()),
+            None => FeedReply::Frame(Bytes::new()), // unreachable: pages is never empty
+        }
+    }
+
+    /// Every block of every worker at the current version, cut into pages.
+    fn snapshot_pages(&self) -> Vec<Bytes> {
+        let mut pages: Vec<Vec<Op>> = vec![Vec::new()];
+        let mut in_page = 0usize;
+        for (i, w) in self.workers.iter().enumerate() {
+            let mut blocks = Vec::new();
+            for b in w.cache.feed_blocks() {
+                if in_page == self.page_blocks {
+                    if let (Some(p), false) = (pages.last_mut(), blocks.is_empty()) {
+                        p.push(Op::Store { worker: i as u32, blocks: std::mem::take(&mut blocks) });
+                    }
+                    pages.push(Vec::new());
+                    in_page = 0;
+                }
+                blocks.push(b);
+                in_page += 1;
+            }
+            if let (Some(p), false) = (pages.last_mut(), blocks.is_empty()) {
+                p.push(Op::Store { worker: i as u32, blocks });
+            }
+        }
+        let workers = self.feed_workers();
+        let n = pages.len();
+        pages
+            .into_iter()
+            .enumerate()
+            .map(|(i, ops)| {
+                let frame = Frame {
+                    kind: if i == 0 { FrameKind::SnapshotStart } else { FrameKind::SnapshotMore },
+                    epoch: self.epoch,
+                    from_version: 0,
+                    to_version: self.version,
+                    next_cursor: if i + 1 < n { i as u64 + 1 } else { 0 },
+                    block_size: self.block_size,
+                    workers: workers.clone(),
+                    ops,
+                };
+                Bytes::from(frame.encode())
+            })
+            .collect()
+    }
+
+    /// `{"worker_id":…,"block_count":N}` for the admin API.
+    pub fn cache_view(&self, id: &str) -> Option<serde_json::Value> {
+        let w = self.workers.iter().find(|w| w.config.id == id)?;
+        Some(serde_json::json!({"worker_id": w.config.id, "block_count": w.cache.block_count()}))
+    }
+
+    pub fn workers_json(&self, now: Instant) -> serde_json::Value {
+        let workers: Vec<serde_json::Value> = self
+            .workers
+            .iter()
+            .map(|w| {
+                let ranks: Vec<serde_json::Value> = w
+                    .ranks
+                    .iter()
+                    .map(|r| {
+                        serde_json::json!({
+                            "last_seq": r.last_seq,
+                            "lag_ms": r.lag_ms.map(|l| (l * 1000.0).round() / 1000.0),
+                            "silent_ms": r.last_event_at.map(|t| now.saturating_duration_since(t).as_millis() as u64),
+                        })
+                    })
+                    .collect();
+                let last_seq = w.ranks.iter().filter_map(|r| r.last_seq).max();
+                let lag_ms = w
+                    .ranks
+                    .iter()
+                    .filter_map(|r| r.lag_ms)
+                    .fold(None, |m: Option<f64>, l| Some(m.map_or(l, |m| m.max(l))));
+                serde_json::json!({
+                    "id": w.config.id,
+                    "role": role_name(w.config.role),
+                    "state": if w.up { "up" } else { "down" },
+                    "blocks": w.cache.block_count(),
+                    "offloaded_blocks": w.cache.offloaded_count(),
+                    "last_seq": last_seq,
+                    "lag_ms": lag_ms.map(|l| (l * 1000.0).round() / 1000.0),
+                    "events": w.config.events,
+                    "replay": w.config.replay,
+                    "dp_ranks": ranks,
+                })
+            })
+            .collect();
+        serde_json::json!({"epoch": self.epoch.to_string(), "version": self.version, "block_size": self.block_size, "workers": workers})
+    }
+}
+
+pub fn role_name(r: Role) -> &'static str {
+    match r {
+        Role::Both => "both",
+        Role::Prefill => "prefill",
+        Role::Decode => "decode",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Cli;
+    use crate::events::{BlockRemoved, BlockStored, Medium};
+
+    fn fleet(page_blocks: usize) -> Fleet {
+        let text = format!(
+            "snapshot_page_blocks = {page_blocks}\n[[workers]]\nid=\"127.0.0.1:8101\"\nevents=\"tcp://127.0.0.1:5557\"\n\
+             [[workers]]\nid=\"127.0.0.1:8102\"\nevents=\"tcp://127.0.0.1:5567\""
+        );
+        Fleet::new(&Config::from_toml(&text, &Cli::default()).unwrap(), 42)
+    }
+
+    fn stored(hashes: &[u64], parent: Option<u64>, first_token: u32) -> Event {
+        let n = hashes.len() as u32 * 16;
+        Event::Stored(BlockStored {
+            block_hashes: hashes.to_vec(),
+            parent,
+            token_ids: (first_token..first_token + n).collect(),
+            block_size: 16,
+            medium: Medium::Gpu,
+            lora_id: None,
+            lora_name: None,
+            extra_keys: Vec::new(),
+            group_idx: 0,
+        })
+    }
+
+    fn batch(events: Vec<Event>) -> Batch {
+        Batch { ts: 0.0, events, dp_rank: None }
+    }
+
+    fn frame(r: FeedReply) -> Frame {
+        match r {
+            FeedReply::Frame(b) => Frame::decode(&b).unwrap(),
+            FeedReply::Wait => panic!("expected a frame"),
+        }
+    }
+
+    #[test]
+    fn first_poll_is_a_snapshot_then_deltas_then_wait() {
+        let mut f = fleet(1000);
+        let now = Instant::now();
+        f.apply_batch(0, 0, 0, &batch(vec![stored(&[1, 2], None, 0)]), now, 0.0);
+        let s = frame(f.feed(0, 0, 0, true));
+        assert_eq!((s.kind, s.to_version, s.epoch), (FrameKind::SnapshotStart, 1, 42));
+        assert_eq!(s.ops.len(), 1);
+        assert!(matches!(f.feed(42, 1, 0, true), FeedReply::Wait));
+        let empty = frame(f.feed(42, 1, 0, false));
+        assert_eq!((empty.kind, empty.from_version, empty.to_version, empty.ops.len()), (FrameKind::Delta, 1, 1, 0));
+        f.apply_batch(
+            1,
+            0,
+            0,
+            &batch(vec![
+                stored(&[9], None, 100),
+                Event::Removed(BlockRemoved { block_hashes: vec![2], medium: Medium::Gpu, group_idx: 0 }),
+            ]),
+            now,
+            0.0,
+        );
+        // the removal of engine hash 2 on worker 1 is not held there: no change, counted
+        let d = frame(f.feed(42, 1, 0, true));
+        assert_eq!((d.from_version, d.to_version), (1, 2));
+        assert!(matches!(&d.ops[..], [Op::Store { worker: 1, blocks }] if blocks.len() == 1));
+        assert_eq!(f.stats.events[1][Outcome::ALL.iter().position(|o| *o == Outcome::NotHeld).unwrap()], 1);
+        // a stale epoch or a version from the future gets a snapshot
+        assert_eq!(frame(f.feed(41, 1, 0, true)).kind, FrameKind::SnapshotStart);
+        assert_eq!(frame(f.feed(42, 99, 0, true)).kind, FrameKind::SnapshotStart);
+    }
+
+    #[test]
+    fn snapshots_page_and_later_pages_show_the_same_version() {
+        let mut f = fleet(3);
+        let now = Instant::now();
+        f.apply_batch(0, 0, 0, &batch(vec![stored(&[1, 2, 3, 4], None, 0)]), now, 0.0);
+        f.apply_batch(1, 0, 0, &batch(vec![stored(&[5, 6], None, 500)]), now, 0.0);
+        let p0 = frame(f.feed(0, 0, 0, true));
+        assert_eq!((p0.kind, p0.to_version, p0.next_cursor), (FrameKind::SnapshotStart, 2, 1));
+        // a change between pages does not leak into the snapshot's later pages
+        f.apply_batch(1, 0, 1, &batch(vec![stored(&[7], Some(6), 532)]), now, 0.0);
+        let p1 = frame(f.feed(p0.epoch, 2, 1, true));
+        assert_eq!((p1.kind, p1.to_version, p1.next_cursor), (FrameKind::SnapshotMore, 2, 0));
+        let total: usize = [&p0, &p1]
+            .iter()
+            .flat_map(|p| p.ops.iter())
+            .map(|o| if let Op::Store { blocks, .. } = o { blocks.len() } else { 0 })
+            .sum();
+        assert_eq!(total, 6);
+        // then the delta since the snapshot has the new block
+        let d = frame(f.feed(p0.epoch, 2, 0, true));
+        assert_eq!((d.kind, d.to_version), (FrameKind::Delta, 3));
+    }
+
+    #[test]
+    fn clearing_and_marking_down_are_versions() {
+        let mut f = fleet(1000);
+        let now = Instant::now();
+        f.apply_batch(0, 0, 0, &batch(vec![stored(&[1], None, 0)]), now, 0.0);
+        f.reset_rank(0, 0, ResetReason::PublisherRestart);
+        assert_eq!(f.version(), 2);
+        let d = frame(f.feed(42, 1, 0, true));
+        assert_eq!(d.ops, vec![Op::Clear { worker: 0 }]);
+        f.set_up(1, false);
+        let d = frame(f.feed(42, 2, 0, true));
+        assert!(d.ops.is_empty() && !d.workers[1].up);
+        // clearing an empty worker is not a change
+        f.reset_rank(0, 0, ResetReason::GapNotReplayed);
+        assert_eq!(f.version(), 3);
+    }
+}

@@ -1,0 +1,109 @@
+//! `kvroute-sidecar`: subscribes to every worker's KV-cache events and serves the kvroute
+//! feed (`docs/feed-protocol.md`) plus the admin API. Usage: `sidecar/README.md`.
+
+use clap::Parser;
+use kvroute_sidecar::{config, fleet, health, ingest, server};
+use std::collections::hash_map::RandomState;
+use std::hash::{BuildHasher, Hasher};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+fn main() {
+    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info")).init();
+    let cli = config::Cli::parse();
+    let config = match config::Config::load(&cli) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("kvroute-sidecar: bad configuration: {e}");
+            std::process::exit(2);
+        }
+    };
+    if let Err(e) = run(config) {
+        eprintln!("kvroute-sidecar: {e}");
+        std::process::exit(1);
+    }
+}
+
+/// A random non-zero epoch: a restarted sidecar must look new to every client.
+fn new_epoch() -> u64 {
+    let mut h = RandomState::new().build_hasher();
+    h.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos()));
+    h.finish().max(1)
+}
+
+fn run(config: config::Config) -> Result<(), String> {
+    let started = Instant::now();
+    let fleet = Arc::new(Mutex::new(fleet::Fleet::new(&config, new_epoch())));
+    let ingest = ingest::Ingest::new(&config, fleet.clone())?;
+    let stop = Arc::new(AtomicBool::new(false));
+    let ingest_thread = {
+        let stop = stop.clone();
+        std::thread::Builder::new()
+            .name("kv-ingest".into())
+            .spawn(move || ingest.run(stop))
+            .map_err(|e| format!("starting the ingest thread: {e}"))?
+    };
+
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| format!("tokio runtime: {e}"))?;
+    let result = rt.block_on(async {
+        let listener =
+            tokio::net::TcpListener::bind(config.listen).await.map_err(|e| format!("listen {}: {e}", config.listen))?;
+        log::info!("serving on {} ({} workers, block size {})", config.listen, config.workers.len(), config.block_size);
+        let app = Arc::new(server::App { fleet: fleet.clone(), started });
+        tokio::spawn(health::run(config.clone(), fleet.clone(), started));
+        tokio::select! {
+            r = accept_loop(listener, app) => r,
+            _ = shutdown_signal() => {
+                log::info!("shutting down");
+                Ok(())
+            }
+        }
+    });
+    stop.store(true, Ordering::Relaxed);
+    let _ = ingest_thread.join();
+    result
+}
+
+async fn accept_loop(listener: tokio::net::TcpListener, app: Arc<server::App>) -> Result<(), String> {
+    loop {
+        let (stream, _) = match listener.accept().await {
+            Ok(s) => s,
+            Err(e) => {
+                // Out of file descriptors and the like: log, back off, keep serving.
+                log::error!("accept: {e}");
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let _ = stream.set_nodelay(true);
+        let app = app.clone();
+        tokio::spawn(async move {
+            let service = hyper::service::service_fn(move |req| server::handle(app.clone(), req));
+            if let Err(e) = hyper::server::conn::http1::Builder::new()
+                .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
+                .await
+            {
+                log::debug!("connection: {e}");
+            }
+        });
+    }
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        if let Ok(mut term) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            tokio::select! {
+                _ = ctrl_c => {},
+                _ = term.recv() => {},
+            }
+            return;
+        }
+    }
+    let _ = ctrl_c.await;
+}

@@ -1,0 +1,162 @@
+//! The HTTP side: the feed for Envoy's sync service, the admin API, `/metrics`, `/healthz`.
+
+use crate::fleet::{FeedReply, Fleet};
+use bytes::Bytes;
+use http_body_util::Full;
+use hyper::body::Incoming;
+use hyper::{Method, Request, Response, StatusCode};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+pub const FEED_PATH: &str = "/v1/kv/feed";
+const FEED_CONTENT_TYPE: &str = "application/x-kvroute-feed";
+/// Longest a feed poll is held, whatever the client asks.
+const MAX_HOLD: Duration = Duration::from_secs(60);
+
+pub struct App {
+    pub fleet: Arc<Mutex<Fleet>>,
+    pub started: Instant,
+}
+
+impl App {
+    pub fn fleet(&self) -> MutexGuard<'_, Fleet> {
+        self.fleet.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+type Resp = Response<Full<Bytes>>;
+
+fn respond(status: StatusCode, content_type: &str, body: impl Into<Bytes>) -> Resp {
+    let mut r = Response::new(Full::new(body.into()));
+    *r.status_mut() = status;
+    if let Ok(v) = content_type.parse() {
+        r.headers_mut().insert(hyper::header::CONTENT_TYPE, v);
+    }
+    r
+}
+
+fn json(status: StatusCode, v: &serde_json::Value) -> Resp {
+    respond(status, "application/json", v.to_string())
+}
+
+fn error(status: StatusCode, msg: &str) -> Resp {
+    json(status, &serde_json::json!({ "error": msg }))
+}
+
+pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Result<Resp, std::convert::Infallible> {
+    let path = req.uri().path().to_string();
+    if req.method() != Method::GET && req.method() != Method::HEAD {
+        return Ok(error(StatusCode::METHOD_NOT_ALLOWED, "only GET"));
+    }
+    let resp = if path == FEED_PATH {
+        feed(&app, req.uri().query().unwrap_or("")).await
+    } else if let Some(id) = path.strip_prefix("/v1/admin/cache-view/") {
+        let id = percent_decode(id);
+        match app.fleet().cache_view(&id) {
+            Some(v) => json(StatusCode::OK, &v),
+            None => json(StatusCode::NOT_FOUND, &serde_json::json!({"error": "unknown worker", "worker_id": id})),
+        }
+    } else if path == "/v1/admin/workers" {
+        json(StatusCode::OK, &app.fleet().workers_json(Instant::now()))
+    } else if path == "/metrics" {
+        let text = crate::metrics::render(&app.fleet(), Instant::now(), app.started);
+        respond(StatusCode::OK, "text/plain; version=0.0.4", text)
+    } else if path == "/healthz" {
+        json(StatusCode::OK, &serde_json::json!({"status": "ok"}))
+    } else {
+        error(StatusCode::NOT_FOUND, "no such path")
+    };
+    Ok(resp)
+}
+
+#[derive(Debug)]
+struct Poll {
+    epoch: u64,
+    since: u64,
+    cursor: u64,
+    timeout: Duration,
+}
+
+fn parse_poll(query: &str) -> Result<Poll, String> {
+    let mut vals = [None; 4];
+    const NAMES: [&str; 4] = ["epoch", "since", "cursor", "timeout_ms"];
+    for pair in query.split('&').filter(|p| !p.is_empty()) {
+        let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+        if let Some(i) = NAMES.iter().position(|n| *n == k) {
+            vals[i] = Some(v.parse::<u64>().map_err(|_| format!("`{k}` must be an unsigned integer, got `{v}`"))?);
+        }
+    }
+    let get = |i: usize| vals[i].ok_or_else(|| format!("missing `{}`", NAMES[i]));
+    Ok(Poll { epoch: get(0)?, since: get(1)?, cursor: get(2)?, timeout: Duration::from_millis(get(3)?) })
+}
+
+async fn feed(app: &App, query: &str) -> Resp {
+    let poll = match parse_poll(query) {
+        Ok(p) => p,
+        Err(e) => {
+            app.fleet().stats.feed_bad_requests += 1;
+            return error(StatusCode::BAD_REQUEST, &e);
+        }
+    };
+    let mut changed = {
+        let mut fleet = app.fleet();
+        // Subscribed before asking, so a change right after the answer still wakes us.
+        let rx = fleet.subscribe();
+        match fleet.feed(poll.epoch, poll.since, poll.cursor, true) {
+            FeedReply::Frame(b) => return respond(StatusCode::OK, FEED_CONTENT_TYPE, b),
+            FeedReply::Wait => {
+                fleet.stats.feed_waiting += 1;
+                rx
+            }
+        }
+    };
+    let _ = tokio::time::timeout(poll.timeout.min(MAX_HOLD), changed.changed()).await;
+    let mut fleet = app.fleet();
+    fleet.stats.feed_waiting = fleet.stats.feed_waiting.saturating_sub(1);
+    match fleet.feed(poll.epoch, poll.since, poll.cursor, false) {
+        FeedReply::Frame(b) => respond(StatusCode::OK, FEED_CONTENT_TYPE, b),
+        FeedReply::Wait => error(StatusCode::INTERNAL_SERVER_ERROR, "feed did not answer"),
+    }
+}
+
+/// `%XX` sequences decoded (IPv6 ids arrive as `%5B…%5D`); anything malformed kept as is.
+fn percent_decode(s: &str) -> String {
+    let b = s.as_bytes();
+    let hex = |c: u8| (c as char).to_digit(16);
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'%' && i + 2 < b.len() {
+            if let (Some(h), Some(l)) = (hex(b[i + 1]), hex(b[i + 2])) {
+                out.push((h * 16 + l) as u8);
+                i += 3;
+                continue;
+            }
+        }
+        out.push(b[i]);
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn poll_parameters_are_all_required_and_numeric() {
+        let p = parse_poll("epoch=1&since=2&cursor=0&timeout_ms=500").unwrap();
+        assert_eq!((p.epoch, p.since, p.cursor, p.timeout), (1, 2, 0, Duration::from_millis(500)));
+        assert!(parse_poll("epoch=1&since=2&cursor=0").unwrap_err().contains("timeout_ms"));
+        assert!(parse_poll("epoch=x&since=2&cursor=0&timeout_ms=1").unwrap_err().contains("epoch"));
+        assert!(parse_poll("epoch=-1&since=2&cursor=0&timeout_ms=1").is_err());
+    }
+
+    #[test]
+    fn percent_decoding() {
+        assert_eq!(percent_decode("%5Bfd00%3A%3A5%5D:8000"), "[fd00::5]:8000");
+        assert_eq!(percent_decode("10.0.0.1:80"), "10.0.0.1:80");
+        assert_eq!(percent_decode("bad%zz%4"), "bad%zz%4");
+        assert_eq!(percent_decode("é%é%41"), "é%éA");
+    }
+}

@@ -1,0 +1,345 @@
+"""kvroute-sidecar against publishers that speak exactly as vLLM and SGLang do (their msgspec
+structs, pyzmq PUB + replay ROUTER): every payload form, faults, the admin API, the feed."""
+import os
+import random
+import subprocess
+import time
+
+import pytest
+
+from harness import SIDECAR, Sidecar, free_port, wait_for
+from kvevents import (FORMS, Publisher, batch, chain_events, cleared, removed, stored)
+from kvfeed import OP_STORE, SNAPSHOT_START, decode_frame, feed_blocks
+
+
+def tokens(prefix, n):
+    return [prefix * 100_000 + i for i in range(n)]
+
+
+class Fleet:
+    """Publishers on loopback ports and a sidecar subscribed to them."""
+
+    def __init__(self, n=2, replay=True, start_sidecar=True, ids=None, sidecar_extra=None):
+        self.pubs, self.ids, self.specs = [], [], []
+        for i in range(n):
+            ev, rp = free_port(), free_port()
+            wid = ids[i] if ids else f"127.0.0.1:{free_port()}"
+            self.ids.append(wid)
+            self.specs.append((wid, f"tcp://127.0.0.1:{ev}", f"tcp://127.0.0.1:{rp}" if replay else None,
+                               "both"))
+            self.pubs.append(Publisher(f"tcp://127.0.0.1:{ev}", f"tcp://127.0.0.1:{rp}" if replay else None))
+        self.extra = sidecar_extra
+        self.sidecar = None
+        if start_sidecar:
+            self.start_sidecar()
+
+    def start_sidecar(self, port=None):
+        self.sidecar = Sidecar(self.specs, port=port, extra=self.extra)
+        time.sleep(0.3)  # ZMQ subscriptions propagate asynchronously (the "slow joiner")
+        return self.sidecar
+
+    def close(self):
+        if self.sidecar:
+            self.sidecar.stop()
+        for p in self.pubs:
+            p.close()
+
+
+@pytest.fixture
+def fleet():
+    made = []
+
+    def make(**kw):
+        f = Fleet(**kw)
+        made.append(f)
+        return f
+
+    yield make
+    for f in made:
+        f.close()
+
+
+def snapshot(sc):
+    """Every worker's blocks from the feed (all pages): {worker_id: {(hash, anchor)}}."""
+    status, body = sc.get("/v1/kv/feed?epoch=0&since=0&cursor=0&timeout_ms=0")
+    assert status == 200
+    frame = decode_frame(body)
+    assert frame["kind"] == SNAPSHOT_START
+    frames = [frame]
+    while frames[-1]["next_cursor"]:
+        _, body = sc.get(f"/v1/kv/feed?epoch={frame['epoch']}&since={frame['to']}"
+                         f"&cursor={frames[-1]['next_cursor']}&timeout_ms=0")
+        frames.append(decode_frame(body))
+    held = {w[0]: set() for w in frame["workers"]}
+    for f in frames:
+        for code, worker, blocks in f["ops"]:
+            assert code == OP_STORE
+            held[frame["workers"][worker][0]] |= set(blocks)
+    return held
+
+
+def metric(sc, name, **labels):
+    key = name + ("{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}" if labels else "")
+    return sc.metric(key)
+
+
+HASH_KINDS = {
+    "u64": lambda i: (0xC0FFEE00_00000000 + i) % (1 << 64),
+    "i64": lambda i: -(i + 1) * 7919,                       # negative: sent as msgpack int64
+    "bytes": lambda i: os.urandom(24) + (i + 1).to_bytes(8, "big"),  # sha256-style, vLLM
+}
+
+
+@pytest.mark.parametrize("form,hash_kind", [
+    ("vllm", "u64"), ("vllm", "i64"), ("vllm", "bytes"),
+    ("vllm-array", "u64"), ("vllm-array", "i64"),
+    ("sglang", "u64"), ("sglang", "i64"),
+])
+def test_every_payload_form_mirrors_the_routers_chain(fleet, form, hash_kind):
+    f = fleet(n=1)
+    pub, sc, wid = f.pubs[0], f.sidecar, f.ids[0]
+    prompt = tokens(1, 40 * 16 + 5)  # 40 whole blocks: two and a bit segments
+    hashes = [HASH_KINDS[hash_kind](i) for i in range(40)]
+    pub.publish(batch(form, chain_events(form, prompt, hash_of=lambda i: hashes[i])))
+    wait_for(lambda: sc.block_count(wid) == 40, what="40 blocks")
+    assert snapshot(sc)[wid] == set(feed_blocks(prompt))
+
+    # The same blocks stored again: flat.
+    pub.publish(batch(form, chain_events(form, prompt, hash_of=lambda i: hashes[i])))
+    pub.flush()
+    time.sleep(0.2)
+    assert sc.block_count(wid) == 40
+
+    # BlockRemoved of the last 8 engine blocks removes exactly those.
+    pub.publish(batch(form, [removed(form, hashes[32:])]))
+    wait_for(lambda: sc.block_count(wid) == 32, what="32 blocks")
+    assert snapshot(sc)[wid] == set(feed_blocks(prompt[:32 * 16]))
+
+    pub.publish(batch(form, [cleared(form)]))
+    wait_for(lambda: sc.block_count(wid) == 0, what="cleared")
+    assert metric(sc, "kvroute_sidecar_events_total", type="AllBlocksCleared", outcome="applied") == 1
+    assert metric(sc, "kvroute_sidecar_batches_bad_total") == 0
+
+
+def test_engine_blocks_twice_the_router_block_are_split(fleet):
+    f = fleet(n=1, sidecar_extra=None)
+    pub, sc, wid = f.pubs[0], f.sidecar, f.ids[0]
+    prompt = tokens(2, 8 * 32)
+    pub.publish(batch("vllm", chain_events("vllm", prompt, block_size=32)))
+    wait_for(lambda: sc.block_count(wid) == 16, what="16 router blocks from 8 engine blocks")
+    assert snapshot(sc)[wid] == set(feed_blocks(prompt))
+    # 24 is not a multiple of 16: refused and counted, nothing indexed.
+    pub.publish(batch("vllm", [stored("vllm", [1], None, tokens(3, 24), 24)]))
+    wait_for(lambda: metric(sc, "kvroute_sidecar_events_total", type="BlockStored",
+                            outcome="block_size_mismatch") == 1, what="mismatch counted")
+    assert sc.block_count(wid) == 16
+
+
+def test_lora_and_salted_blocks_are_not_mixed_with_base_blocks(fleet):
+    f = fleet(n=1)
+    pub, sc, wid = f.pubs[0], f.sidecar, f.ids[0]
+    prompt = tokens(4, 64)
+    pub.publish(batch("vllm", [
+        stored("vllm", [11, 12, 13, 14], None, prompt, 16, lora_name="sql-adapter"),
+        stored("vllm", [21, 22, 23, 24], None, prompt, 16,
+               extra_keys=[("salt-123",), None, None, None]),
+    ]))
+    wait_for(lambda: metric(sc, "kvroute_sidecar_events_total", type="BlockStored",
+                            outcome="namespaced") == 2, what="namespaced events counted")
+    assert sc.block_count(wid) == 0
+
+
+def test_a_dropped_batch_is_replayed(fleet):
+    f = fleet(n=1)
+    pub, sc, wid = f.pubs[0], f.sidecar, f.ids[0]
+    prompt = tokens(5, 3 * 16)
+    ev = chain_events("vllm", prompt, per_event=1)
+    pub.publish(batch("vllm", [ev[0]]))
+    pub.publish(batch("vllm", [ev[1]]), drop=True)  # numbered and buffered, never sent
+    pub.publish(batch("vllm", [ev[2]]))
+    wait_for(lambda: sc.block_count(wid) == 3, what="all three blocks, the lost one replayed")
+    assert snapshot(sc)[wid] == set(feed_blocks(prompt))
+    m = sc.metrics()
+    assert m["kvroute_sidecar_sequence_gaps_total"] == 1
+    assert m["kvroute_sidecar_replays_ok_total"] == 1
+    assert sum(v for k, v in m.items() if k.startswith("kvroute_sidecar_resets_total")) == 0
+    assert pub.replays_served == 1
+
+
+def test_a_gap_that_cannot_be_replayed_clears_and_rebuilds(fleet):
+    f = fleet(n=1, replay=False)
+    pub, sc, wid = f.pubs[0], f.sidecar, f.ids[0]
+    a, b = tokens(6, 4 * 16), tokens(7, 2 * 16)
+    pub.publish(batch("vllm", chain_events("vllm", a)))
+    wait_for(lambda: sc.block_count(wid) == 4, what="first chain")
+    pub.publish(batch("vllm", [removed("vllm", [123])]), drop=True)  # what did it remove? unknown
+    pub.publish(batch("vllm", chain_events("vllm", b)))
+    wait_for(lambda: metric(sc, "kvroute_sidecar_resets_total", reason="gap_not_replayed") == 1,
+             what="reset counted")
+    # Cleared, then rebuilt from what followed the gap.
+    wait_for(lambda: snapshot(sc)[wid] == set(feed_blocks(b)), what="only the chain after the gap")
+
+
+def test_a_publisher_restart_rebuilds_the_worker(fleet):
+    f = fleet(n=1)
+    pub, sc, wid = f.pubs[0], f.sidecar, f.ids[0]
+    a, b = tokens(8, 5 * 16), tokens(9, 3 * 16)
+    for _ in range(3):
+        pub.publish(batch("vllm", chain_events("vllm", a)))
+    wait_for(lambda: sc.metrics().get(f'kvroute_sidecar_worker_last_seq{{worker="{wid}",rank="0"}}') == 2,
+             what="seq 2 seen")
+    endpoint, replay = f.specs[0][1], f.specs[0][2]
+    pub.close()
+    time.sleep(0.2)
+    # The engine restarted: an empty cache, a new publisher counting from 0.
+    f.pubs[0] = pub = Publisher(endpoint, replay)
+    time.sleep(0.5)  # the SUB reconnects
+    pub.publish(batch("vllm", chain_events("vllm", b)))
+    wait_for(lambda: metric(sc, "kvroute_sidecar_resets_total", reason="publisher_restart") == 1,
+             what="restart detected")
+    wait_for(lambda: snapshot(sc)[wid] == set(feed_blocks(b)), what="only the new chain")
+
+
+def test_history_from_before_the_sidecar_started_is_replayed(fleet):
+    f = fleet(n=1, start_sidecar=False)
+    pub, wid = f.pubs[0], f.ids[0]
+    a, b = tokens(10, 6 * 16), tokens(11, 2 * 16)
+    pub.publish(batch("sglang", chain_events("sglang", a)))  # seq 0, nobody listening
+    pub.flush()
+    sc = f.start_sidecar()
+    pub.publish(batch("sglang", chain_events("sglang", b)))  # seq 1: the sidecar catches up
+    wait_for(lambda: sc.block_count(wid) == 8, what="both chains")
+    assert snapshot(sc)[wid] == set(feed_blocks(a)) | set(feed_blocks(b))
+
+
+def test_garbage_of_every_shape_is_counted_and_survived(fleet):
+    f = fleet(n=2)
+    bad, good = f.pubs
+    sc = f.sidecar
+    prompt = tokens(12, 4 * 16)
+    bad.publish(batch("vllm", chain_events("vllm", prompt)))
+    wait_for(lambda: sc.block_count(f.ids[0]) == 4, what="first chain")
+    real = bytes(bad.encoder.encode(batch("vllm", chain_events("vllm", tokens(13, 4 * 16)))))
+    bad.send_raw([b"just one frame"])
+    bad.send_raw([b"", b"\x00\x01\x02", b"seq is not 8 bytes"])
+    bad.send_raw([b"", b"\x00" * 8, b"x", b"four frames"])
+    bad.send_payload(real[: len(real) // 2])                         # truncated
+    bad.send_payload(b"\xc1" + os.urandom(64))                        # not msgpack
+    bad.send_payload(random.Random(1).randbytes(8 << 20))            # 8 MiB of noise
+    bad.send_payload(b"\xdd\xff\xff\xff\xff")                         # array claiming 4G items
+    bad.send_payload(b"\x92\xcb" + b"\x00" * 8 + b"\x91\x93\xabBlockStored\x91\x01")  # cut short
+    bad.flush()
+    # Meanwhile the other worker's stream is served normally.
+    good.publish(batch("sglang", chain_events("sglang", tokens(14, 3 * 16))))
+    wait_for(lambda: sc.block_count(f.ids[1]) == 3, what="the other worker unaffected")
+    wait_for(lambda: sc.metric("kvroute_sidecar_batches_bad_total") == 5, what="5 bad payloads")
+    m = sc.metrics()
+    assert m["kvroute_sidecar_frames_bad_total"] == 3
+    assert m['kvroute_sidecar_resets_total{reason="undecodable_batch"}'] == 5
+    assert sc.block_count(f.ids[0]) == 0  # what the bad batches changed is unknown: cleared
+    # The stream goes on: a good batch after the garbage is applied.
+    bad.publish(batch("vllm", chain_events("vllm", prompt)))
+    wait_for(lambda: sc.block_count(f.ids[0]) == 4, what="rebuilt after garbage")
+    assert sc.proc.poll() is None
+
+
+def test_an_unknown_parent_never_corrupts_the_index(fleet):
+    f = fleet(n=1)
+    pub, sc, wid = f.pubs[0], f.sidecar, f.ids[0]
+    prompt = tokens(15, 4 * 16)
+    pub.publish(batch("vllm", chain_events("vllm", prompt, hash_of=lambda i: 100 + i)))
+    wait_for(lambda: sc.block_count(wid) == 4, what="chain")
+    orphan = tokens(16, 2 * 16)
+    pub.publish(batch("vllm", [stored("vllm", [500, 501], 999_999, orphan, 16),  # parent never seen
+                               stored("vllm", [502], 501, tokens(17, 16), 16)]))  # child of the orphan
+    wait_for(lambda: metric(sc, "kvroute_sidecar_events_total", type="BlockStored",
+                            outcome="unknown_parent") == 2, what="both skipped")
+    assert snapshot(sc)[wid] == set(feed_blocks(prompt))
+    # A removal of the skipped blocks is counted, not applied to anything else.
+    pub.publish(batch("vllm", [removed("vllm", [500, 501])]))
+    wait_for(lambda: metric(sc, "kvroute_sidecar_events_total", type="BlockRemoved",
+                            outcome="not_held") == 1, what="removal of unheld counted")
+    assert sc.block_count(wid) == 4
+
+
+def test_offloaded_copies_keep_a_block_held(fleet):
+    f = fleet(n=1)
+    pub, sc, wid = f.pubs[0], f.sidecar, f.ids[0]
+    prompt = tokens(18, 2 * 16)
+    ev = chain_events("vllm", prompt, hash_of=lambda i: 40 + i)
+    cpu = [stored("vllm", e.block_hashes, e.parent_block_hash, e.token_ids, 16, medium="CPU") for e in ev]
+    pub.publish(batch("vllm", ev + cpu))
+    wait_for(lambda: sc.block_count(wid) == 2, what="two blocks")
+    pub.publish(batch("vllm", [removed("vllm", [40, 41], medium="GPU")]))
+    wait_for(lambda: sc.json("/v1/admin/workers")[1]["workers"][0]["offloaded_blocks"] == 2,
+             what="held offloaded only")
+    assert sc.block_count(wid) == 2
+    pub.publish(batch("vllm", [removed("vllm", [40, 41], medium="CPU")]))
+    wait_for(lambda: sc.block_count(wid) == 0, what="gone from every tier")
+
+
+def test_a_silent_worker_whose_health_fails_is_marked_down(fleet):
+    f = fleet(n=1)  # its id is a closed port: /health cannot answer
+    sc, wid, pub = f.sidecar, f.ids[0], f.pubs[0]
+
+    def state():
+        return sc.json("/v1/admin/workers")[1]["workers"][0]["state"]
+
+    wait_for(lambda: state() == "down", timeout=5, what="marked down")
+    _, body = sc.get("/v1/kv/feed?epoch=0&since=0&cursor=0&timeout_ms=0")
+    assert decode_frame(body)["workers"][0] == (wid, "both", False)
+    pub.publish(batch("vllm", chain_events("vllm", tokens(19, 16))))
+    wait_for(lambda: state() == "up", timeout=5, what="up again on its next event")
+
+
+def test_admin_api(fleet):
+    f = fleet(n=1)
+    sc, wid = f.sidecar, f.ids[0]
+    f.pubs[0].publish(batch("vllm", chain_events("vllm", tokens(20, 3 * 16))))
+    wait_for(lambda: sc.block_count(wid) == 3, what="3 blocks")
+    status, body = sc.get(f"/v1/admin/cache-view/{wid}")
+    assert status == 200 and body == f'{{"block_count":3,"worker_id":"{wid}"}}'.encode() or \
+        body == f'{{"worker_id":"{wid}","block_count":3}}'.encode()
+    status, body = sc.json("/v1/admin/cache-view/10.9.9.9:1")
+    assert status == 404 and body["error"] == "unknown worker"
+    status, workers = sc.json("/v1/admin/workers")
+    w = workers["workers"][0]
+    assert (w["id"], w["role"], w["blocks"], w["last_seq"]) == (wid, "both", 3, 0)
+    assert w["lag_ms"] is not None and w["lag_ms"] < 5000
+    status, body = sc.get("/v1/kv/feed?epoch=0&since=x&cursor=0&timeout_ms=0")
+    assert status == 400 and b"since" in body
+    assert sc.get("/healthz")[0] == 200
+    m = sc.metrics()
+    assert m[f'kvroute_sidecar_worker_blocks{{worker="{wid}",role="both"}}'] == 3
+    assert m['kvroute_sidecar_events_total{type="BlockStored",outcome="applied"}'] == 1
+    assert m["kvroute_sidecar_feed_bad_requests_total"] == 1
+
+
+def test_a_feed_poll_waits_for_the_next_change(fleet):
+    f = fleet(n=1)
+    sc = f.sidecar
+    _, body = sc.get("/v1/kv/feed?epoch=0&since=0&cursor=0&timeout_ms=0")
+    snap = decode_frame(body)
+    t0 = time.time()
+    _, body = sc.get(f"/v1/kv/feed?epoch={snap['epoch']}&since={snap['to']}&cursor=0&timeout_ms=300")
+    empty = decode_frame(body)
+    assert time.time() - t0 >= 0.25 and empty["ops"] == [] and empty["from"] == empty["to"] == snap["to"]
+    import threading
+    threading.Timer(0.3, lambda: f.pubs[0].publish(
+        batch("vllm", chain_events("vllm", tokens(21, 16))))).start()
+    _, body = sc.get(f"/v1/kv/feed?epoch={snap['epoch']}&since={snap['to']}&cursor=0&timeout_ms=5000")
+    delta = decode_frame(body)
+    assert delta["to"] > snap["to"] and delta["ops"][0][0] == OP_STORE
+
+
+@pytest.mark.parametrize("text,field", [
+    ("block_size = 0\n", "block_size"),
+    ('[[workers]]\nid = "nohost"\nevents = "tcp://127.0.0.1:5557"\n', "workers[0].id"),
+    ('[[workers]]\nid = "127.0.0.1:1"\nevents = "tcp://127.0.0.1:5557"\nrole = "x"\n', "workers[0].role"),
+    ('surprise = 1\n', "surprise"),
+])
+def test_a_bad_config_refuses_to_start_naming_the_field(tmp_path, text, field):
+    p = tmp_path / "bad.toml"
+    p.write_text(text)
+    r = subprocess.run([str(SIDECAR), "--config", str(p)], capture_output=True, text=True, timeout=10)
+    assert r.returncode == 2 and field in r.stderr, r.stderr
