@@ -44,7 +44,7 @@ fn hashing(c: &mut Criterion) {
         let mut out = Vec::new();
         g.throughput(Throughput::Elements(n as u64));
         g.bench_with_input(BenchmarkId::new("blocks16", n), &le, |b, v| {
-            b.iter(|| block_hashes_le(black_box(v), 16, &mut out))
+            b.iter(|| block_hashes_le(black_box(v), 16, 0, &mut out))
         });
     }
     g.finish();
@@ -100,8 +100,16 @@ fn route_and_release(b: &mut criterion::Bencher<'_>, router: &mut Router, store:
     let mut now = 10;
     b.iter(|| {
         now += 1;
-        let d =
-            router.route(store, TokenSource::Header(black_box(b64.as_bytes()), TokenEncoding::Base64LeU32), now, now);
+        let d = router.route(
+            store,
+            TokenSource::Header {
+                value: black_box(b64.as_bytes()),
+                encoding: TokenEncoding::Base64LeU32,
+                namespace: 0,
+            },
+            now,
+            now,
+        );
         router.release(store, &d.held, now);
     })
 }
@@ -115,7 +123,12 @@ fn routing(c: &mut Criterion) {
             let b64 = encode_base64(&request);
             let mut router = Router::new(FilterConfig::from_json(b"{}").expect("defaults"));
             let (r0, w0) = store.calls();
-            let d = router.route(&store, TokenSource::Header(b64.as_bytes(), TokenEncoding::Base64LeU32), 0, 1);
+            let d = router.route(
+                &store,
+                TokenSource::Header { value: b64.as_bytes(), encoding: TokenEncoding::Base64LeU32, namespace: 0 },
+                0,
+                1,
+            );
             let (r1, w1) = store.calls();
             router.release(&store, &d.held, 1);
             let (r2, w2) = store.calls();

@@ -62,6 +62,8 @@ struct RawFilterConfig {
     inflight_lease_ms: u64,
     debug_header: Option<String>,
     forward_token_headers: bool,
+    lora_header: Option<String>,
+    cache_salt_header: Option<String>,
 }
 
 impl Default for RawFilterConfig {
@@ -83,6 +85,8 @@ impl Default for RawFilterConfig {
             inflight_lease_ms: 600_000,
             debug_header: None,
             forward_token_headers: false,
+            lora_header: Some("x-kvroute-lora".into()),
+            cache_salt_header: Some("x-kvroute-cache-salt".into()),
         }
     }
 }
@@ -113,9 +117,14 @@ pub struct FilterConfig {
     pub inflight_lease_ms: u64,
     /// Response header naming the chosen worker, its cache hits and cost; off when `None`.
     pub debug_header: Option<String>,
-    /// Forward the token headers upstream. Off by default: engines do not need them, and a
-    /// long prompt's header can exceed the engine's own header limit.
+    /// Forward the token (and namespace) headers upstream. Off by default: engines do not
+    /// need them, and a long prompt's header can exceed the engine's own header limit.
     pub forward_token_headers: bool,
+    /// Header naming the request's LoRA adapter (as the engine names it: vLLM's
+    /// `lora_name`); its blocks live in their own namespace. `None`: not read.
+    pub lora_header: Option<String>,
+    /// Header carrying the request's cache salt (vLLM's `cache_salt`). `None`: not read.
+    pub cache_salt_header: Option<String>,
 }
 
 fn header_name(key: &str, v: &str) -> Result<String, ConfigError> {
@@ -166,10 +175,18 @@ impl FilterConfig {
         }
         let destination_header = header_name("destination_header", &raw.destination_header)?;
         let prefiller_header = header_name("prefiller_header", &raw.prefiller_header)?;
-        let debug_header = match raw.debug_header {
-            Some(h) => Some(header_name("debug_header", &h)?),
-            None => None,
-        };
+        let optional = |key: &str, h: Option<String>| h.map(|h| header_name(key, &h)).transpose();
+        let debug_header = optional("debug_header", raw.debug_header)?;
+        let lora_header = optional("lora_header", raw.lora_header)?;
+        let cache_salt_header = optional("cache_salt_header", raw.cache_salt_header)?;
+        let inputs = [Some(&token_header), Some(&token_header_b64), lora_header.as_ref(), cache_salt_header.as_ref()];
+        let owned = [Some(&destination_header), Some(&prefiller_header), debug_header.as_ref()];
+        for (key, h) in [("lora_header", &lora_header), ("cache_salt_header", &cache_salt_header)] {
+            let Some(h) = h else { continue };
+            if inputs.iter().chain(owned.iter()).flatten().filter(|o| *o == &h).count() > 1 {
+                return Err(bad(key, format!("{h:?} is already used by another header setting")));
+            }
+        }
         Ok(FilterConfig {
             token_header,
             token_header_b64,
@@ -187,6 +204,8 @@ impl FilterConfig {
             inflight_lease_ms: raw.inflight_lease_ms,
             debug_header,
             forward_token_headers: raw.forward_token_headers,
+            lora_header,
+            cache_salt_header,
         })
     }
 
@@ -301,6 +320,9 @@ mod tests {
         assert_eq!(c.prefill_overlap_weight, 1.0);
         assert_eq!(c.mode, Mode::Aggregated);
         assert_eq!(FilterConfig::from_json(b"{}").unwrap(), c);
+        assert_eq!(c.lora_header.as_deref(), Some("x-kvroute-lora"));
+        let off = FilterConfig::from_json(br#"{"lora_header": null, "cache_salt_header": null}"#).unwrap();
+        assert_eq!((off.lora_header, off.cache_salt_header), (None, None));
         let s = SyncConfig::from_json(b" ").unwrap();
         assert_eq!(s.n_buckets, 4096);
     }
@@ -325,6 +347,9 @@ mod tests {
             (r#"{"token_header": "X-Tokens"}"#, "token_header"),
             (r#"{"token_header_b64": "x-prompt-token-ids"}"#, "token_header_b64"),
             (r#"{"decode_overlap_weight": 1e9}"#, "decode_overlap_weight"),
+            (r#"{"lora_header": "x-prompt-token-ids"}"#, "lora_header"),
+            (r#"{"cache_salt_header": "x-kvroute-lora"}"#, "cache_salt_header"),
+            (r#"{"lora_header": "Lora"}"#, "lora_header"),
             (r#"[1]"#, "invalid"),
             (r#"{"#, "invalid"),
         ];

@@ -40,10 +40,15 @@ pub struct FeedBlock {
 }
 
 impl FeedBlock {
-    /// The feed blocks of a whole chain of tokens: every whole block's router hash and its
-    /// segment anchor.
+    /// The feed blocks of a whole chain of tokens in the base namespace: every whole
+    /// block's router hash and its segment anchor.
     pub fn chain(tokens: &[u32], block_size: usize) -> Vec<FeedBlock> {
-        let hashes = crate::hash::block_hashes(tokens, block_size);
+        Self::chain_in(tokens, block_size, crate::hash::BASE_NAMESPACE)
+    }
+
+    /// [`FeedBlock::chain`] in a namespace ([`crate::hash::namespace`]).
+    pub fn chain_in(tokens: &[u32], block_size: usize, namespace: u64) -> Vec<FeedBlock> {
+        let hashes = crate::hash::block_hashes_in(tokens, block_size, namespace);
         (0..hashes.len())
             .map(|i| FeedBlock { hash: hashes[i], anchor: hashes[crate::layout::anchor_position(i)] })
             .collect()

@@ -13,9 +13,15 @@
 //! `local_i` equals the `tokens_hash` of NVIDIA Dynamo's KV router, so block identities
 //! interoperate with it; the chain is ours. `seq_i` names block `i` *and everything before
 //! it*, so two requests share block `i` exactly when they share the first `i + 1` blocks.
+//!
+//! **Namespaces.** An engine hashes a LoRA adapter's name and a request's cache salt into
+//! its block hashes: the same tokens under adapter X are other blocks than the base
+//! model's. The router does the same by chaining the first block onto a namespace id
+//! instead of nothing: `seq_0 = xxh3_64_with_seed(le_u64(ns) ++ le_u64(local_0), 1337)`
+//! when `ns` ≠ 0 ([`namespace`]); the base model is `ns = 0` and keeps `seq_0 = local_0`.
 //! Test vectors: `tests/vectors/block_hashes.json`.
 
-use xxhash_rust::xxh3::xxh3_64_with_seed;
+use xxhash_rust::xxh3::{xxh3_64_with_seed, Xxh3};
 
 /// Seed of both hashes (Dynamo's `XXH3_SEED`).
 pub const HASH_SEED: u64 = 1337;
@@ -48,13 +54,45 @@ pub fn seq_hash(parent_seq: Option<u64>, block_le: &[u8]) -> u64 {
     }
 }
 
+/// The base model's namespace.
+pub const BASE_NAMESPACE: u64 = 0;
+
+/// The namespace of blocks stored under LoRA adapter `lora` and/or cache salt `salt`
+/// (absent or empty = none): `xxh3_64_with_seed("kvroute-ns/1" ++ parts, 1337)` where each
+/// present part is a tag byte (1 = adapter name, 2 = cache salt), its length as `le_u32`,
+/// and its bytes; 0 if neither is present (a hash of 0 becomes 1).
+pub fn namespace(lora: Option<&[u8]>, salt: Option<&[u8]>) -> u64 {
+    let lora = lora.filter(|l| !l.is_empty());
+    let salt = salt.filter(|s| !s.is_empty());
+    if lora.is_none() && salt.is_none() {
+        return BASE_NAMESPACE;
+    }
+    let mut h = Xxh3::with_seed(HASH_SEED);
+    h.update(b"kvroute-ns/1");
+    for (tag, part) in [(1u8, lora), (2u8, salt)] {
+        if let Some(p) = part {
+            h.update(&[tag]);
+            h.update(&(p.len() as u32).to_le_bytes());
+            h.update(p);
+        }
+    }
+    h.digest().max(1)
+}
+
+/// The parent a chain's first block is hashed onto: none for the base model.
+#[inline]
+pub fn root_parent(namespace: u64) -> Option<u64> {
+    (namespace != BASE_NAMESPACE).then_some(namespace)
+}
+
 /// Sequence hashes of every whole block of `tokens_le` (token ids as little-endian `u32`
-/// bytes), appended to `out` after clearing it. `block_size` must be at least 1.
-pub fn block_hashes_le(tokens_le: &[u8], block_size: usize, out: &mut Vec<u64>) {
+/// bytes) in `namespace`, appended to `out` after clearing it. `block_size` must be at
+/// least 1.
+pub fn block_hashes_le(tokens_le: &[u8], block_size: usize, namespace: u64, out: &mut Vec<u64>) {
     out.clear();
     let block_bytes = block_size.max(1) * 4;
     out.reserve(tokens_le.len() / block_bytes);
-    let mut parent = None;
+    let mut parent = root_parent(namespace);
     for block in tokens_le.chunks_exact(block_bytes) {
         let h = seq_hash(parent, block);
         out.push(h);
@@ -62,11 +100,16 @@ pub fn block_hashes_le(tokens_le: &[u8], block_size: usize, out: &mut Vec<u64>) 
     }
 }
 
-/// [`block_hashes_le`] for token ids held as `u32`s (the sidecar's and tests' form).
+/// [`block_hashes_le`] for token ids held as `u32`s, in the base namespace (tests' form).
 pub fn block_hashes(tokens: &[u32], block_size: usize) -> Vec<u64> {
+    block_hashes_in(tokens, block_size, BASE_NAMESPACE)
+}
+
+/// [`block_hashes_le`] for token ids held as `u32`s.
+pub fn block_hashes_in(tokens: &[u32], block_size: usize, namespace: u64) -> Vec<u64> {
     let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
     let mut out = Vec::new();
-    block_hashes_le(&bytes, block_size, &mut out);
+    block_hashes_le(&bytes, block_size, namespace, &mut out);
     out
 }
 
@@ -87,6 +130,13 @@ mod tests {
         name: String,
         block_size: usize,
         tokens: Vec<u32>,
+        #[serde(default)]
+        lora: Option<String>,
+        #[serde(default)]
+        cache_salt: Option<String>,
+        /// Decimal u64; absent = the base namespace.
+        #[serde(default)]
+        namespace: Option<String>,
         local_hashes: Vec<String>,
         seq_hashes: Vec<String>,
     }
@@ -122,6 +172,25 @@ mod tests {
     }
 
     #[test]
+    fn namespaces_separate_identical_tokens() {
+        let t: Vec<u32> = (0..48).collect();
+        let base = block_hashes(&t, 16);
+        let x = namespace(Some(b"adapter-x"), None);
+        let y = namespace(Some(b"adapter-y"), None);
+        let salted = namespace(None, Some(b"adapter-x"));
+        assert_eq!(namespace(None, None), BASE_NAMESPACE);
+        assert_eq!(namespace(Some(b""), Some(b"")), BASE_NAMESPACE);
+        // the adapter name and the salt are different parts, even with equal bytes
+        assert!(x != y && x != salted && x != BASE_NAMESPACE);
+        let hx = block_hashes_in(&t, 16, x);
+        assert!(hx.iter().zip(&base).all(|(a, b)| a != b));
+        assert_ne!(hx, block_hashes_in(&t, 16, y));
+        // the first block is chained onto the namespace, the rest as usual
+        assert_eq!(hx[0], chain_hash(x, local_hash(&le(&t[..16]))));
+        assert_eq!(hx[1], chain_hash(hx[0], local_hash(&le(&t[16..32]))));
+    }
+
+    #[test]
     fn partial_block_is_not_hashed() {
         let t: Vec<u32> = (0..47).collect();
         assert_eq!(block_hashes(&t, 16).len(), 2);
@@ -133,8 +202,11 @@ mod tests {
         let v: Vectors = serde_json::from_str(include_str!("../tests/vectors/block_hashes.json")).unwrap();
         assert_eq!(v.seed, HASH_SEED);
         assert!(v.cases.len() >= 4);
+        assert!(v.cases.iter().any(|c| c.namespace.is_some()));
         for case in &v.cases {
-            let seq = block_hashes(&case.tokens, case.block_size);
+            let ns = namespace(case.lora.as_deref().map(str::as_bytes), case.cache_salt.as_deref().map(str::as_bytes));
+            assert_eq!(ns.to_string(), case.namespace.clone().unwrap_or_else(|| "0".into()), "{}", case.name);
+            let seq = block_hashes_in(&case.tokens, case.block_size, ns);
             let seq: Vec<String> = seq.iter().map(u64::to_string).collect();
             assert_eq!(seq, case.seq_hashes, "{}", case.name);
             let local: Vec<String> =

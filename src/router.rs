@@ -138,7 +138,13 @@ impl Decision {
 #[derive(Clone, Copy, Debug)]
 pub enum TokenSource<'a> {
     Missing,
-    Header(&'a [u8], TokenEncoding),
+    /// A token header's value, its encoding, and the namespace (LoRA adapter / cache salt,
+    /// [`crate::hash::namespace`]) the prompt's blocks live in.
+    Header {
+        value: &'a [u8],
+        encoding: TokenEncoding,
+        namespace: u64,
+    },
 }
 
 /// Per-VM routing state: the configuration and scratch buffers reused across requests.
@@ -242,9 +248,9 @@ impl Router {
         let mut hashes = Vec::new();
         match tokens {
             TokenSource::Missing => d.fallback = Some(Fallback::NoTokens),
-            TokenSource::Header(value, enc) => {
-                match decode_tokens(value, enc, self.cfg.max_tokens, &mut self.token_bytes) {
-                    Ok(_) => block_hashes_le(&self.token_bytes, self.cfg.block_size, &mut hashes),
+            TokenSource::Header { value, encoding, namespace } => {
+                match decode_tokens(value, encoding, self.cfg.max_tokens, &mut self.token_bytes) {
+                    Ok(_) => block_hashes_le(&self.token_bytes, self.cfg.block_size, namespace, &mut hashes),
                     Err(e) => {
                         d.token_error = Some(e);
                         d.fallback = Some(Fallback::BadTokens);

@@ -15,7 +15,7 @@
 
 use crate::events::{BlockRemoved, BlockStored, ExtraKeys, Medium};
 use kvroute::feed::FeedBlock;
-use kvroute::hash::{chain_hash, local_hash};
+use kvroute::hash::{chain_hash, local_hash, namespace, root_parent, BASE_NAMESPACE};
 use kvroute::layout::anchor_position;
 use std::collections::HashMap;
 
@@ -41,9 +41,10 @@ pub enum Outcome {
     BlockSizeMismatch,
     /// Token count, hash count and block size disagree; or the group index is out of range.
     Malformed,
-    /// Stored under a LoRA adapter or with extra keys (cache salt, multimodal inputs): the
-    /// router's hash of the tokens alone would name another prefix, so it is not indexed.
-    Namespaced,
+    /// Hashed by the engine with inputs a request cannot name (multimodal identifiers, a
+    /// LoRA adapter known only by its numeric id): the router cannot reproduce its identity,
+    /// so it is not indexed (and its descendants will have an unknown parent).
+    Unroutable,
     /// A removal of a block this index does not hold (its store was skipped or missed).
     NotHeld,
 }
@@ -54,7 +55,7 @@ impl Outcome {
         Outcome::UnknownParent,
         Outcome::BlockSizeMismatch,
         Outcome::Malformed,
-        Outcome::Namespaced,
+        Outcome::Unroutable,
         Outcome::NotHeld,
     ];
 
@@ -64,7 +65,7 @@ impl Outcome {
             Outcome::UnknownParent => "unknown_parent",
             Outcome::BlockSizeMismatch => "block_size_mismatch",
             Outcome::Malformed => "malformed",
-            Outcome::Namespaced => "namespaced",
+            Outcome::Unroutable => "unroutable",
             Outcome::NotHeld => "not_held",
         }
     }
@@ -159,11 +160,10 @@ impl WorkerCache {
         if rbs == 0 || !engine_bs.is_multiple_of(rbs) {
             return Outcome::BlockSizeMismatch;
         }
-        let namespaced =
-            ev.lora_id.is_some() || ev.lora_name.is_some() || ev.extra_keys.iter().any(|k| *k != ExtraKeys::None);
-        if namespaced {
-            return Outcome::Namespaced;
-        }
+        let chain_namespace = match namespace_of(ev) {
+            Ok(ns) => ns,
+            Err(outcome) => return outcome,
+        };
         let Some(engine) = self.ranks.get_mut(rank) else {
             return Outcome::Malformed;
         };
@@ -190,9 +190,10 @@ impl WorkerCache {
                 block_le.extend(sub.iter().flat_map(|t| t.to_le_bytes()));
                 let local = local_hash(&block_le);
                 let pos = parent_pos.map_or(0, |p: u32| p.saturating_add(1));
-                let hash = match parent_hash {
+                // A chain's first block hangs off its namespace (kvroute::hash).
+                let hash = match parent_hash.map(|p| p.0).or(root_parent(chain_namespace)) {
                     None => local,
-                    Some((ph, _)) => chain_hash(ph, local),
+                    Some(ph) => chain_hash(ph, local),
                 };
                 let anchor = match parent_hash {
                     Some((_, pa)) if anchor_position(pos as usize) != pos as usize => pa,
@@ -324,6 +325,44 @@ impl WorkerCache {
             .sum();
         self.ranks.iter().map(table).sum::<usize>() + table(&self.blocks) + many
     }
+}
+
+/// The namespace a `BlockStored` starts its chain in (used only when it has no parent;
+/// children inherit it through their parent's hash).
+///
+/// vLLM's `extra_keys` per block are the block's multimodal identifiers, then the LoRA
+/// adapter's name, then — on a request's first block only — its cache salt. So: every
+/// string equal to `lora_name` is the adapter; on the chain's first block one other string
+/// is the salt; anything else (multimodal inputs, non-string keys) cannot come from a
+/// request's tokens and makes the event unroutable.
+fn namespace_of(ev: &BlockStored) -> Result<u64, Outcome> {
+    if ev.lora_id.is_some() && ev.lora_name.is_none() {
+        return Err(Outcome::Unroutable); // adapter known only by id (old vLLM)
+    }
+    if !ev.extra_keys.is_empty() && ev.extra_keys.len() != ev.block_hashes.len() {
+        return Err(Outcome::Malformed);
+    }
+    let mut salt = None;
+    for (i, keys) in ev.extra_keys.iter().enumerate() {
+        match keys {
+            ExtraKeys::None => {}
+            ExtraKeys::Opaque => return Err(Outcome::Unroutable),
+            ExtraKeys::Strings(strings) => {
+                let mut others = strings.iter().filter(|s| Some(s.as_str()) != ev.lora_name.as_deref());
+                let first = others.next();
+                let chain_start = i == 0 && ev.parent.is_none();
+                match (first, others.next()) {
+                    (None, _) => {}
+                    (Some(s), None) if chain_start => salt = Some(s.as_str()),
+                    _ => return Err(Outcome::Unroutable),
+                }
+            }
+        }
+    }
+    if ev.parent.is_some() {
+        return Ok(BASE_NAMESPACE); // unused: the parent's hash carries the namespace
+    }
+    Ok(namespace(ev.lora_name.as_deref().map(str::as_bytes), salt.map(str::as_bytes)))
 }
 
 /// Drops one engine block's hold on its router blocks; `gpu`: it held a GPU copy.
@@ -483,15 +522,47 @@ mod tests {
     }
 
     #[test]
-    fn namespaced_and_malformed_events_are_not_indexed() {
+    fn lora_and_salted_chains_live_in_their_namespace() {
+        let tokens = toks(48);
         let mut c = WorkerCache::new(1);
         let mut out = Vec::new();
-        let mut lora = stored(&[1], None, toks(16), 16);
-        lora.lora_name = Some("sql-adapter".into());
-        assert_eq!(c.apply_stored(0, &lora, 16, &mut out), Outcome::Namespaced);
-        let mut salted = stored(&[1], None, toks(16), 16);
-        salted.extra_keys = vec![ExtraKeys::Strings(vec!["salt".into()])];
-        assert_eq!(c.apply_stored(0, &salted, 16, &mut out), Outcome::Namespaced);
+        // vLLM: the adapter name in every block's extra keys, the salt in the first one's.
+        let mut ev = stored(&[1, 2], None, tokens[..32].to_vec(), 16);
+        ev.lora_name = Some("sql".into());
+        ev.lora_id = Some(3);
+        ev.extra_keys =
+            vec![ExtraKeys::Strings(vec!["sql".into(), "tenant-42".into()]), ExtraKeys::Strings(vec!["sql".into()])];
+        assert_eq!(c.apply_stored(0, &ev, 16, &mut out), Outcome::Applied);
+        let mut child = stored(&[3], Some(2), tokens[32..].to_vec(), 16);
+        child.lora_name = Some("sql".into());
+        child.extra_keys = vec![ExtraKeys::Strings(vec!["sql".into()])];
+        assert_eq!(c.apply_stored(0, &child, 16, &mut out), Outcome::Applied);
+        let ns = namespace(Some(b"sql"), Some(b"tenant-42"));
+        let mut want = FeedBlock::chain_in(&tokens, 16, ns);
+        let mut got: Vec<FeedBlock> = c.feed_blocks().collect();
+        want.sort_by_key(|b| b.hash);
+        got.sort_by_key(|b| b.hash);
+        assert_eq!(got, want);
+        // ... and never the base model's blocks.
+        assert!(FeedBlock::chain(&tokens, 16).iter().all(|b| !got.contains(b)));
+    }
+
+    #[test]
+    fn inputs_a_request_cannot_name_are_not_indexed() {
+        let mut c = WorkerCache::new(1);
+        let mut out = Vec::new();
+        let mut by_id = stored(&[1], None, toks(16), 16);
+        by_id.lora_id = Some(7);
+        assert_eq!(c.apply_stored(0, &by_id, 16, &mut out), Outcome::Unroutable);
+        let mut multimodal = stored(&[1, 2], None, toks(32), 16);
+        multimodal.extra_keys = vec![ExtraKeys::None, ExtraKeys::Strings(vec!["image-hash".into()])];
+        assert_eq!(c.apply_stored(0, &multimodal, 16, &mut out), Outcome::Unroutable);
+        let mut opaque = stored(&[1], None, toks(16), 16);
+        opaque.extra_keys = vec![ExtraKeys::Opaque];
+        assert_eq!(c.apply_stored(0, &opaque, 16, &mut out), Outcome::Unroutable);
+        let mut short = stored(&[1, 2], None, toks(32), 16);
+        short.extra_keys = vec![ExtraKeys::None];
+        assert_eq!(c.apply_stored(0, &short, 16, &mut out), Outcome::Malformed);
         assert_eq!(c.apply_stored(0, &stored(&[1, 2], None, toks(16), 16), 16, &mut out), Outcome::Malformed);
         assert_eq!(c.block_count(), 0);
     }

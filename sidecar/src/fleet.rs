@@ -357,10 +357,11 @@ impl Fleet {
             .collect()
     }
 
-    /// `{"worker_id":…,"block_count":N}` for the admin API.
-    pub fn cache_view(&self, id: &str) -> Option<serde_json::Value> {
+    /// `{"worker_id":…,"block_count":N}` for the admin API, in the seed's key order.
+    pub fn cache_view(&self, id: &str) -> Option<String> {
         let w = self.workers.iter().find(|w| w.config.id == id)?;
-        Some(serde_json::json!({"worker_id": w.config.id, "block_count": w.cache.block_count()}))
+        let id = serde_json::Value::from(w.config.id.as_str());
+        Some(format!("{{\"worker_id\":{id},\"block_count\":{}}}", w.cache.block_count()))
     }
 
     pub fn workers_json(&self, now: Instant) -> serde_json::Value {

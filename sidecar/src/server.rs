@@ -53,7 +53,7 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Result<Resp, std::
     } else if let Some(id) = path.strip_prefix("/v1/admin/cache-view/") {
         let id = percent_decode(id);
         match app.fleet().cache_view(&id) {
-            Some(v) => json(StatusCode::OK, &v),
+            Some(v) => respond(StatusCode::OK, "application/json", v),
             None => json(StatusCode::NOT_FOUND, &serde_json::json!({"error": "unknown worker", "worker_id": id})),
         }
     } else if path == "/v1/admin/workers" {

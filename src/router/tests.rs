@@ -43,7 +43,12 @@ fn prompt(prefix: u32, len: usize) -> Vec<u32> {
 
 fn route(r: &mut Router, store: &MemStore, tokens: &[u32], now: u64) -> Decision {
     let b64 = encode_base64(tokens);
-    r.route(store, TokenSource::Header(b64.as_bytes(), TokenEncoding::Base64LeU32), now, 0)
+    r.route(
+        store,
+        TokenSource::Header { value: b64.as_bytes(), encoding: TokenEncoding::Base64LeU32, namespace: 0 },
+        now,
+        0,
+    )
 }
 
 fn load(store: &MemStore) -> LoadVector {
@@ -68,6 +73,31 @@ fn routes_to_the_worker_holding_the_prefix() {
     assert_eq!(load(&store).get(2), 10);
     assert!(r.release(&store, &d.held, 10) == 0);
     assert_eq!(load(&store).get(2), 0);
+}
+
+#[test]
+fn a_namespace_only_matches_its_own_blocks() {
+    let p = prompt(1, 160);
+    let adapter = crate::hash::namespace(Some(b"sql-adapter"), None);
+    let (store, _) = fleet(
+        3,
+        vec![
+            Op::Store { worker: 1, blocks: FeedBlock::chain_in(&p, 16, adapter) },
+            Op::Store { worker: 2, blocks: feed_blocks(&p) },
+        ],
+    );
+    let mut r = Router::new(cfg(r#"{"predict_on_route": false}"#));
+    let b64 = encode_base64(&p);
+    let header =
+        |namespace| TokenSource::Header { value: b64.as_bytes(), encoding: TokenEncoding::Base64LeU32, namespace };
+    let d = r.route(&store, header(adapter), 0, 0);
+    assert_eq!((d.destinations[0].as_str(), d.hits), ("10.0.0.1:8000", 10));
+    r.release(&store, &d.held, 1);
+    let d = r.route(&store, header(0), 0, 0);
+    assert_eq!((d.destinations[0].as_str(), d.hits), ("10.0.0.2:8000", 10));
+    r.release(&store, &d.held, 1);
+    let other = crate::hash::namespace(Some(b"other-adapter"), None);
+    assert_eq!(r.route(&store, header(other), 0, 0).hits, 0);
 }
 
 #[test]
@@ -206,7 +236,8 @@ fn fallbacks() {
     assert_eq!(d.destinations.len(), 3, "routed by load");
     assert!(d.held.is_empty());
 
-    let d = r.route(&store, TokenSource::Header(b"1,2,x", TokenEncoding::Decimal), 0, 1);
+    let d =
+        r.route(&store, TokenSource::Header { value: b"1,2,x", encoding: TokenEncoding::Decimal, namespace: 0 }, 0, 1);
     assert_eq!(d.fallback, Some(Fallback::BadTokens));
     assert_eq!(d.token_error.as_ref().map(TokenError::reason), Some("malformed"));
     assert_eq!(d.destinations.len(), 3);
@@ -274,7 +305,12 @@ fn decimal_and_base64_route_the_same() {
     let (store, _) = fleet(4, vec![Op::Store { worker: 1, blocks: feed_blocks(&p) }]);
     let mut r = Router::new(cfg(r#"{"predict_on_route": false}"#));
     let dec = crate::tokens::encode_decimal(&p);
-    let d1 = r.route(&store, TokenSource::Header(dec.as_bytes(), TokenEncoding::Decimal), 0, 0);
+    let d1 = r.route(
+        &store,
+        TokenSource::Header { value: dec.as_bytes(), encoding: TokenEncoding::Decimal, namespace: 0 },
+        0,
+        0,
+    );
     let d2 = route(&mut r, &store, &p, 0);
     assert_eq!(d1.destinations, d2.destinations);
     assert_eq!(d1.hits, 6);

@@ -227,9 +227,19 @@ impl HttpContext for Stream {
         }
         let b64 = host::request_header(&cfg.token_header_b64);
         let dec = if b64.is_none() { host::request_header(&cfg.token_header) } else { None };
+        // The namespace headers matter only for a prompt with tokens: read them then.
+        let (lora, salt) = if b64.is_some() || dec.is_some() {
+            (
+                cfg.lora_header.as_deref().and_then(host::request_header),
+                cfg.cache_salt_header.as_deref().and_then(host::request_header),
+            )
+        } else {
+            (None, None)
+        };
+        let namespace = crate::hash::namespace(lora.as_deref(), salt.as_deref());
         let tokens = match (&b64, &dec) {
-            (Some(v), _) => TokenSource::Header(v, TokenEncoding::Base64LeU32),
-            (None, Some(v)) => TokenSource::Header(v, TokenEncoding::Decimal),
+            (Some(v), _) => TokenSource::Header { value: v, encoding: TokenEncoding::Base64LeU32, namespace },
+            (None, Some(v)) => TokenSource::Header { value: v, encoding: TokenEncoding::Decimal, namespace },
             (None, None) => TokenSource::Missing,
         };
         let entropy = self.next_entropy();
@@ -253,6 +263,11 @@ impl HttpContext for Stream {
             }
             if b64.is_some() || dec.is_some() {
                 host::remove_request_header(&cfg.token_header);
+            }
+            for (read, name) in [(&lora, &cfg.lora_header), (&salt, &cfg.cache_salt_header)] {
+                if let (Some(_), Some(name)) = (read, name) {
+                    host::remove_request_header(name);
+                }
             }
         }
         self.shared.metrics.record(&d);

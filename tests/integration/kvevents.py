@@ -246,3 +246,35 @@ class Publisher:
         self.pub.close(linger=0)
         if self.replay is not None:
             self.replay.close(linger=0)
+
+
+def main():
+    """Stand in for one engine's KV-event publisher, by hand:
+    publish that the engine caches a token range, then keep serving replays."""
+    import argparse
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("--bind", default="tcp://127.0.0.1:5557", help="PUB endpoint (vLLM's `endpoint`)")
+    ap.add_argument("--replay", default="tcp://127.0.0.1:5558", help="ROUTER endpoint (`replay_endpoint`)")
+    ap.add_argument("--form", choices=FORMS, default="vllm")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--tokens", action="append", default=[], metavar="FIRST:COUNT",
+                    help="a cached prompt: token ids FIRST, FIRST+1, ... (repeatable)")
+    args = ap.parse_args()
+    pub = Publisher(args.bind, args.replay)
+    time.sleep(0.5)  # let subscribers connect
+    for spec in args.tokens:
+        first, count = map(int, spec.split(":"))
+        toks = list(range(first, first + count))
+        pub.publish(batch(args.form, chain_events(args.form, toks, args.block_size)))
+        print(f"published {count // args.block_size} blocks of tokens {first}..{first + count - 1}")
+    pub.flush()
+    print("serving replays; Ctrl-C to stop")
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pub.close()
+
+
+if __name__ == "__main__":
+    main()

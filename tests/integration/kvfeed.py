@@ -22,14 +22,26 @@ OP_STORE, OP_REMOVE, OP_CLEAR = 1, 2, 3
 ROLES = {"both": 0, "prefill": 1, "decode": 2}
 
 
-def block_hashes(tokens, block_size=16):
-    """Chained XXH3-64 sequence hashes of every whole block."""
+def namespace(lora=None, salt=None):
+    """The namespace of blocks stored under a LoRA adapter and/or cache salt; 0 = base."""
+    parts = b""
+    for tag, value in ((1, lora), (2, salt)):
+        if value:
+            raw = value.encode()
+            parts += bytes([tag]) + struct.pack("<I", len(raw)) + raw
+    return xxhash.xxh3_64_intdigest(b"kvroute-ns/1" + parts, seed=SEED) or 1 if parts else 0
+
+
+def block_hashes(tokens, block_size=16, ns=0):
+    """Chained XXH3-64 sequence hashes of every whole block (the first chained onto the
+    namespace unless it is the base model's)."""
     out = []
     for start in range(0, len(tokens) // block_size * block_size, block_size):
         local = xxhash.xxh3_64_intdigest(
             struct.pack(f"<{block_size}I", *tokens[start:start + block_size]), seed=SEED)
-        out.append(local if not out else xxhash.xxh3_64_intdigest(
-            struct.pack("<QQ", out[-1], local), seed=SEED))
+        parent = out[-1] if out else (ns or None)
+        out.append(local if parent is None else xxhash.xxh3_64_intdigest(
+            struct.pack("<QQ", parent, local), seed=SEED))
     return out
 
 
@@ -40,9 +52,9 @@ def anchor_position(pos):
     return SEGMENT_BASE_BLOCKS << k
 
 
-def feed_blocks(tokens, block_size=16):
+def feed_blocks(tokens, block_size=16, ns=0):
     """(hash, anchor) of every whole block, as the feed carries them."""
-    h = block_hashes(tokens, block_size)
+    h = block_hashes(tokens, block_size, ns)
     return [(h[i], h[anchor_position(i)]) for i in range(len(h))]
 
 

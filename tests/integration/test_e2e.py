@@ -8,7 +8,7 @@ import time
 import pytest
 
 from harness import Envoy, Sidecar, Worker, free_port, render_config, wait_for
-from kvevents import Publisher, batch, chain_events
+from kvevents import Publisher, batch, chain_events, stored
 
 
 def tokens(prefix, n):
@@ -44,9 +44,10 @@ class Stack:
         time.sleep(0.3)
         wait_for(lambda: not any(self.envoy.stats("kvroute.active_blocks").values()), what="no load")
 
-    def route(self, prompt):
+    def route(self, prompt, extra_headers=None):
         self.idle()
-        status, headers, body = self.envoy.request(headers={"x-prompt-token-ids-b64": b64(prompt)})
+        status, headers, body = self.envoy.request(
+            headers={"x-prompt-token-ids-b64": b64(prompt), **(extra_headers or {})})
         assert status == 200, body
         d = dict(kv.split("=", 1) for kv in headers["x-kvroute-debug"].split(";"))
         return json.loads(body)["worker"], d
@@ -119,3 +120,26 @@ def test_traffic_survives_the_sidecar_and_kv_routing_returns_with_it(stack):
     # them may win; what matters is that the cache term is back.)
     wait_for(lambda: stack.route(prefix)[1].get("hits") == "40", what="KV routing restored")
     assert "fallback" not in stack.route(prefix)[1]
+
+
+def test_a_lora_request_matches_only_its_adapters_blocks(stack):
+    a, b = stack.workers[0], stack.workers[1]
+    prompt = tokens(4, 20 * 16)
+    n = len(prompt) // 16
+    stack.pubs[0].publish(batch("vllm", [stored("vllm", list(range(100, 100 + n)), None, prompt, 16,
+                                                lora_name="sql-adapter",
+                                                extra_keys=[("sql-adapter",)] * n)]))
+    stack.pubs[1].publish(batch("vllm", chain_events("vllm", prompt)))
+    wait_for(lambda: stack.sidecar.block_count(a.id) == n and stack.sidecar.block_count(b.id) == n,
+             what="both chains")
+    stack.synced()
+    def where(extra=None):
+        worker, d = stack.route(prompt, extra)
+        return worker, int(d["hits"])
+
+    assert where({"x-kvroute-lora": "sql-adapter"}) == (a.id, n)
+    assert where() == (b.id, n)
+    assert where({"x-kvroute-lora": "another-adapter"})[1] == 0
+    assert where({"x-kvroute-cache-salt": "tenant-7"})[1] == 0
+    # The namespace headers are the router's inputs: not forwarded to the engine.
+    assert "x-kvroute-lora" not in a.requests[-1] and "x-kvroute-lora" not in b.requests[-1]
