@@ -170,21 +170,26 @@ impl FilterConfig {
         };
         let token_header = header_name("token_header", &raw.token_header)?;
         let token_header_b64 = header_name("token_header_b64", &raw.token_header_b64)?;
-        if token_header == token_header_b64 {
-            return Err(bad("token_header_b64", "must differ from `token_header`"));
-        }
         let destination_header = header_name("destination_header", &raw.destination_header)?;
         let prefiller_header = header_name("prefiller_header", &raw.prefiller_header)?;
         let optional = |key: &str, h: Option<String>| h.map(|h| header_name(key, &h)).transpose();
         let debug_header = optional("debug_header", raw.debug_header)?;
         let lora_header = optional("lora_header", raw.lora_header)?;
         let cache_salt_header = optional("cache_salt_header", raw.cache_salt_header)?;
-        let inputs = [Some(&token_header), Some(&token_header_b64), lora_header.as_ref(), cache_salt_header.as_ref()];
-        let owned = [Some(&destination_header), Some(&prefiller_header), debug_header.as_ref()];
-        for (key, h) in [("lora_header", &lora_header), ("cache_salt_header", &cache_salt_header)] {
+        // No two settings may name the same header.
+        let named = [
+            ("token_header", Some(&token_header)),
+            ("token_header_b64", Some(&token_header_b64)),
+            ("destination_header", Some(&destination_header)),
+            ("prefiller_header", Some(&prefiller_header)),
+            ("debug_header", debug_header.as_ref()),
+            ("lora_header", lora_header.as_ref()),
+            ("cache_salt_header", cache_salt_header.as_ref()),
+        ];
+        for (j, (key, h)) in named.iter().enumerate() {
             let Some(h) = h else { continue };
-            if inputs.iter().chain(owned.iter()).flatten().filter(|o| *o == &h).count() > 1 {
-                return Err(bad(key, format!("{h:?} is already used by another header setting")));
+            if let Some((other, _)) = named[..j].iter().find(|(_, o)| *o == Some(*h)) {
+                return Err(bad(key, format!("{h:?} is also `{other}`")));
             }
         }
         Ok(FilterConfig {

@@ -71,34 +71,55 @@ impl Outcome {
     }
 }
 
-/// The router hashes one engine block covers: one when the block sizes match, several when
-/// the engine's blocks are a multiple of the router's.
-#[derive(Debug, Clone, PartialEq, Eq)]
-enum Routers {
-    One(u64),
-    Many(Box<[u64]>),
-}
-
-impl Routers {
-    fn as_slice(&self) -> &[u64] {
-        match self {
-            Routers::One(h) => std::slice::from_ref(h),
-            Routers::Many(hs) => hs,
-        }
-    }
-    fn last(&self) -> u64 {
-        match self {
-            Routers::One(h) => *h,
-            Routers::Many(hs) => hs.last().copied().unwrap_or(0),
-        }
-    }
-}
-
-#[derive(Debug)]
+/// One engine block as one rank holds it. An engine block the size of the router's block
+/// is one entry under its engine hash. One that covers `span` router blocks (its size a
+/// multiple of the router's) is `span` entries: the last router block under the engine
+/// hash (what a child's parent link finds), the others under [`part_key`]s. Kept at 16
+/// bytes: this table is most of the sidecar's memory.
+#[derive(Debug, Clone, Copy)]
 struct EngineBlock {
-    routers: Routers,
-    /// Bit `2·group + tier` (tier 0 = GPU, 1 = offloaded) per copy the engine holds.
+    router: u64,
+    /// Bit `2·group + tier` (tier 0 = GPU, 1 = offloaded) per copy the engine holds; the
+    /// same on every entry of one engine block.
     copies: u32,
+    /// Router blocks the engine block covers, on its main entry; 0 on the other parts.
+    span: u32,
+}
+
+/// Where part `j` (0-based, `j < span − 1`) of a split engine block is kept.
+fn part_key(engine_hash: u64, j: u32) -> u64 {
+    engine_hash ^ 0x9E37_79B9_7F4A_7C15u64.wrapping_mul(u64::from(j) + 1)
+}
+
+/// The main entry of an engine block (never a part of another one).
+fn main_entry(engine: &HashMap<u64, EngineBlock>, engine_hash: u64) -> Option<EngineBlock> {
+    engine.get(&engine_hash).copied().filter(|e| e.span > 0)
+}
+
+/// Every router hash of the engine block whose main entry is `main`.
+fn routers_of(engine: &HashMap<u64, EngineBlock>, engine_hash: u64, main: EngineBlock) -> Vec<u64> {
+    let mut out: Vec<u64> =
+        (0..main.span - 1).filter_map(|j| engine.get(&part_key(engine_hash, j)).map(|e| e.router)).collect();
+    out.push(main.router);
+    out
+}
+
+/// Removes an engine block (all its entries); returns its router hashes.
+fn remove_engine_block(engine: &mut HashMap<u64, EngineBlock>, engine_hash: u64, main: EngineBlock) -> Vec<u64> {
+    let routers = routers_of(engine, engine_hash, main);
+    for j in 0..main.span - 1 {
+        engine.remove(&part_key(engine_hash, j));
+    }
+    engine.remove(&engine_hash);
+    routers
+}
+
+fn set_copies(engine: &mut HashMap<u64, EngineBlock>, engine_hash: u64, main: EngineBlock, copies: u32) {
+    for key in (0..main.span - 1).map(|j| part_key(engine_hash, j)).chain([engine_hash]) {
+        if let Some(e) = engine.get_mut(&key) {
+            e.copies = copies;
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -117,6 +138,10 @@ pub struct WorkerCache {
     /// Per DP rank.
     ranks: Vec<HashMap<u64, EngineBlock>>,
     blocks: HashMap<u64, RouterBlock>,
+    /// Scratch for `apply_stored`: one router block's token bytes, one engine block's
+    /// router blocks (hash, anchor, position).
+    block_le: Vec<u8>,
+    routers: Vec<(u64, u64, u32)>,
 }
 
 fn copy_bit(group: u32, medium: Medium) -> u32 {
@@ -127,7 +152,10 @@ const GPU_BITS: u32 = 0x5555_5555;
 
 impl WorkerCache {
     pub fn new(dp_ranks: usize) -> Self {
-        WorkerCache { ranks: (0..dp_ranks.max(1)).map(|_| HashMap::new()).collect(), blocks: HashMap::new() }
+        WorkerCache {
+            ranks: (0..dp_ranks.max(1)).map(|_| HashMap::new()).collect(),
+            ..WorkerCache::default()
+        }
     }
 
     /// Distinct blocks the worker holds (any tier).
@@ -170,7 +198,7 @@ impl WorkerCache {
         let (mut parent_hash, mut parent_pos) = match ev.parent {
             None => (None, None),
             Some(p) => {
-                let Some(router) = engine.get(&p).map(|e| e.routers.last()) else {
+                let Some(router) = main_entry(engine, p).map(|e| e.router) else {
                     return Outcome::UnknownParent;
                 };
                 let Some(rb) = self.blocks.get(&router) else {
@@ -180,15 +208,14 @@ impl WorkerCache {
             }
         };
         let bit = copy_bit(ev.group_idx, ev.medium);
-        let per_engine = engine_bs / rbs;
-        let mut block_le = Vec::with_capacity(rbs * 4);
+        let (block_le, routers) = (&mut self.block_le, &mut self.routers);
         for (i, &engine_hash) in ev.block_hashes.iter().enumerate() {
             let tokens = &ev.token_ids[i * engine_bs..(i + 1) * engine_bs];
-            let mut routers = Vec::with_capacity(per_engine);
+            routers.clear();
             for sub in tokens.chunks_exact(rbs) {
                 block_le.clear();
                 block_le.extend(sub.iter().flat_map(|t| t.to_le_bytes()));
-                let local = local_hash(&block_le);
+                let local = local_hash(block_le);
                 let pos = parent_pos.map_or(0, |p: u32| p.saturating_add(1));
                 // A chain's first block hangs off its namespace (kvroute::hash).
                 let hash = match parent_hash.map(|p| p.0).or(root_parent(chain_namespace)) {
@@ -203,20 +230,17 @@ impl WorkerCache {
                 parent_hash = Some((hash, anchor));
                 parent_pos = Some(pos);
             }
-            let new_routers = if routers.len() == 1 {
-                Routers::One(routers[0].0)
-            } else {
-                Routers::Many(routers.iter().map(|r| r.0).collect())
-            };
-            match engine.get_mut(&engine_hash) {
-                Some(e) if e.routers == new_routers => {
+            let span = routers.len() as u32;
+            let gpu = bit & GPU_BITS != 0;
+            match main_entry(engine, engine_hash) {
+                // The chain hash of the last part names all of them.
+                Some(e) if e.router == routers[routers.len() - 1].0 && e.span == span => {
                     if e.copies & bit != 0 {
                         continue; // the same copy again: nothing changes
                     }
-                    let gained_gpu = (e.copies & GPU_BITS) == 0 && (bit & GPU_BITS) != 0;
-                    e.copies |= bit;
-                    if gained_gpu {
-                        for h in e.routers.as_slice() {
+                    set_copies(engine, engine_hash, e, e.copies | bit);
+                    if gpu && e.copies & GPU_BITS == 0 {
+                        for (h, _, _) in routers.iter() {
                             if let Some(b) = self.blocks.get_mut(h) {
                                 b.gpu_holders = b.gpu_holders.saturating_add(1);
                             }
@@ -224,17 +248,15 @@ impl WorkerCache {
                     }
                     continue;
                 }
-                Some(_) => {
+                Some(e) => {
                     // Same engine hash, other tokens or parent: the engine reused the hash
                     // (it restarted, or hashes collided). The new content replaces the old.
-                    if let Some(old) = engine.remove(&engine_hash) {
-                        release(&mut self.blocks, &old.routers, old.copies & GPU_BITS != 0, out);
-                    }
+                    let old = remove_engine_block(engine, engine_hash, e);
+                    release(&mut self.blocks, &old, e.copies & GPU_BITS != 0, out);
                 }
                 None => {}
             }
-            let gpu = bit & GPU_BITS != 0;
-            for &(hash, anchor, pos) in &routers {
+            for (j, &(hash, anchor, pos)) in routers.iter().enumerate() {
                 let b = self.blocks.entry(hash).or_insert_with(|| {
                     out.push(Change::Store(FeedBlock { hash, anchor }));
                     RouterBlock { anchor, pos, holders: 0, gpu_holders: 0 }
@@ -243,8 +265,10 @@ impl WorkerCache {
                 if gpu {
                     b.gpu_holders = b.gpu_holders.saturating_add(1);
                 }
+                let (key, entry_span) =
+                    if j + 1 == routers.len() { (engine_hash, span) } else { (part_key(engine_hash, j as u32), 0) };
+                engine.insert(key, EngineBlock { router: hash, copies: bit, span: entry_span });
             }
-            engine.insert(engine_hash, EngineBlock { routers: new_routers, copies: bit });
         }
         Outcome::Applied
     }
@@ -258,25 +282,23 @@ impl WorkerCache {
         };
         let bit = copy_bit(ev.group_idx, ev.medium);
         let mut all_held = true;
-        for h in &ev.block_hashes {
-            let Some(e) = engine.get_mut(h) else {
+        for &h in &ev.block_hashes {
+            let Some(e) = main_entry(engine, h).filter(|e| e.copies & bit != 0) else {
                 all_held = false;
                 continue;
             };
-            if e.copies & bit == 0 {
-                all_held = false;
-                continue;
-            }
             let had_gpu = e.copies & GPU_BITS != 0;
-            e.copies &= !bit;
-            if e.copies == 0 {
-                if let Some(old) = engine.remove(h) {
-                    release(&mut self.blocks, &old.routers, had_gpu, out);
-                }
-            } else if had_gpu && e.copies & GPU_BITS == 0 {
-                for r in e.routers.as_slice() {
-                    if let Some(b) = self.blocks.get_mut(r) {
-                        b.gpu_holders = b.gpu_holders.saturating_sub(1);
+            let copies = e.copies & !bit;
+            if copies == 0 {
+                let old = remove_engine_block(engine, h, e);
+                release(&mut self.blocks, &old, had_gpu, out);
+            } else {
+                set_copies(engine, h, e, copies);
+                if had_gpu && copies & GPU_BITS == 0 {
+                    for r in routers_of(engine, h, e) {
+                        if let Some(b) = self.blocks.get_mut(&r) {
+                            b.gpu_holders = b.gpu_holders.saturating_sub(1);
+                        }
                     }
                 }
             }
@@ -298,8 +320,10 @@ impl WorkerCache {
                 engine.clear();
                 self.blocks.clear();
             } else {
-                for (_, old) in engine.drain() {
-                    release(&mut self.blocks, &old.routers, old.copies & GPU_BITS != 0, out);
+                // Every entry, main or part, holds one router block with the copies of its
+                // engine block.
+                for (_, e) in engine.drain() {
+                    release(&mut self.blocks, &[e.router], e.copies & GPU_BITS != 0, out);
                 }
             }
         }
@@ -314,16 +338,7 @@ impl WorkerCache {
             let buckets = (m.capacity() * 8).div_ceil(7).next_power_of_two();
             buckets * (std::mem::size_of::<(K, V)>() + 1)
         }
-        let many: usize = self
-            .ranks
-            .iter()
-            .flat_map(|m| m.values())
-            .map(|e| match &e.routers {
-                Routers::Many(hs) => hs.len() * 8,
-                Routers::One(_) => 0,
-            })
-            .sum();
-        self.ranks.iter().map(table).sum::<usize>() + table(&self.blocks) + many
+        self.ranks.iter().map(table).sum::<usize>() + table(&self.blocks)
     }
 }
 
@@ -366,8 +381,8 @@ fn namespace_of(ev: &BlockStored) -> Result<u64, Outcome> {
 }
 
 /// Drops one engine block's hold on its router blocks; `gpu`: it held a GPU copy.
-fn release(blocks: &mut HashMap<u64, RouterBlock>, routers: &Routers, gpu: bool, out: &mut Vec<Change>) {
-    for h in routers.as_slice() {
+fn release(blocks: &mut HashMap<u64, RouterBlock>, routers: &[u64], gpu: bool, out: &mut Vec<Change>) {
+    for h in routers {
         let Some(b) = blocks.get_mut(h) else { continue };
         b.holders = b.holders.saturating_sub(1);
         if gpu {
@@ -455,6 +470,14 @@ mod tests {
         assert_eq!(c.apply_removed(0, &removed(&[2]), &mut out), Outcome::Applied);
         assert_eq!(out.len(), 4);
         assert_eq!(c.block_count(), 8);
+        // A CPU copy of engine block 3 (four router blocks) outlives its GPU copy.
+        let mut cpu = stored(&[3], Some(2), tokens[128..].to_vec(), 64);
+        cpu.medium = Medium::Offloaded;
+        c.apply_stored(0, &stored(&[2], Some(1), tokens[64..128].to_vec(), 64), 16, &mut out);
+        c.apply_stored(0, &cpu, 16, &mut out);
+        assert_eq!((c.block_count(), c.offloaded_count()), (12, 0));
+        c.apply_removed(0, &removed(&[3]), &mut out);
+        assert_eq!((c.block_count(), c.offloaded_count()), (12, 4));
         // 24 is not a multiple of 16.
         assert_eq!(c.apply_stored(0, &stored(&[9], None, toks(24), 24), 16, &mut out), Outcome::BlockSizeMismatch);
     }

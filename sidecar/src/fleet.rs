@@ -170,6 +170,8 @@ impl Fleet {
                     (1, worker.cache.apply_removed(rank, r, &mut changes))
                 }
                 Event::Cleared => {
+                    // What came before the clear is logged before it.
+                    changed |= Self::log_changes(&mut self.log, self.version + 1, w, &mut changes);
                     changed |= Self::clear_into(&mut self.log, self.version + 1, w, worker, rank, &mut changes);
                     (2, Outcome::Applied)
                 }
@@ -181,8 +183,8 @@ impl Fleet {
             if let Some(i) = Outcome::ALL.iter().position(|o| *o == outcome) {
                 self.stats.events[kind][i] += 1;
             }
-            changed |= Self::log_changes(&mut self.log, self.version + 1, w, &mut changes);
         }
+        changed |= Self::log_changes(&mut self.log, self.version + 1, w, &mut changes);
         self.changes = changes;
         if changed {
             self.bump();
