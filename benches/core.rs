@@ -57,13 +57,14 @@ fn ranking(c: &mut Criterion) {
             .map(|s| Candidate {
                 slot: s,
                 cache_hits: (s as u32 * 7) % 100,
+                offloaded_hits: 0,
                 active_blocks: (s as u32 * 13) % 500,
                 worker_key: worker_key(&format!("10.0.{}.{}:8000", s / 250, s % 250)),
             })
             .collect();
         let mut out = Vec::new();
         g.bench_with_input(BenchmarkId::new("workers", workers), &cands, |b, cands| {
-            b.iter(|| rank(black_box(cands), 1.0, 128, 42, &mut out))
+            b.iter(|| rank(black_box(cands), 1.0, 0.5, 128, 42, &mut out))
         });
     }
     g.finish();
@@ -169,8 +170,7 @@ fn replicated_in_flight(store: &MemStore, request: &[u32], workers: u16) {
         let (n_fly, fly) = bucket.fly_raw();
         let mut out = Vec::new();
         let (n, _) = apply(fly, n_fly, &k, Change::Acquire { lease_ms: 1 << 40 }, 0, &mut out);
-        let (mw, n_idx, idx) = bucket.idx_raw();
-        store.set(&key, &encode_bucket(mw, n_idx, idx, n, &out, u64::MAX), None).expect("set");
+        store.set(&key, &encode_bucket(bucket.index_part(), n, &out, u64::MAX), None).expect("set");
     }
 }
 

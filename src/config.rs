@@ -64,6 +64,7 @@ struct RawFilterConfig {
     forward_token_headers: bool,
     lora_header: Option<String>,
     cache_salt_header: Option<String>,
+    offload_hit_credit: f64,
 }
 
 impl Default for RawFilterConfig {
@@ -87,6 +88,7 @@ impl Default for RawFilterConfig {
             forward_token_headers: false,
             lora_header: Some("x-kvroute-lora".into()),
             cache_salt_header: Some("x-kvroute-cache-salt".into()),
+            offload_hit_credit: DEFAULT_OFFLOAD_HIT_CREDIT,
         }
     }
 }
@@ -125,7 +127,14 @@ pub struct FilterConfig {
     pub lora_header: Option<String>,
     /// Header carrying the request's cache salt (vLLM's `cache_salt`). `None`: not read.
     pub cache_salt_header: Option<String>,
+    /// What a cache hit held only in an offload tier (CPU memory, disk) is worth, against 1
+    /// for a GPU hit. In 0..=1.
+    pub offload_hit_credit: f64,
 }
+
+/// Loading a block back from CPU memory is several times cheaper than recomputing it but
+/// not free (and disk tiers cost more): half a GPU hit.
+pub const DEFAULT_OFFLOAD_HIT_CREDIT: f64 = 0.5;
 
 fn header_name(key: &str, v: &str) -> Result<String, ConfigError> {
     let ok = !v.is_empty() && v.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_');
@@ -211,6 +220,10 @@ impl FilterConfig {
             forward_token_headers: raw.forward_token_headers,
             lora_header,
             cache_salt_header,
+            offload_hit_credit: match raw.offload_hit_credit {
+                c if (0.0..=1.0).contains(&c) => c,
+                c => return Err(bad("offload_hit_credit", format!("{c} is not in 0..=1"))),
+            },
         })
     }
 
@@ -355,6 +368,8 @@ mod tests {
             (r#"{"lora_header": "x-prompt-token-ids"}"#, "lora_header"),
             (r#"{"cache_salt_header": "x-kvroute-lora"}"#, "cache_salt_header"),
             (r#"{"lora_header": "Lora"}"#, "lora_header"),
+            (r#"{"offload_hit_credit": 1.5}"#, "offload_hit_credit"),
+            (r#"{"offload_hit_credit": -0.1}"#, "offload_hit_credit"),
             (r#"[1]"#, "invalid"),
             (r#"{"#, "invalid"),
         ];

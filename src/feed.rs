@@ -57,8 +57,12 @@ impl FeedBlock {
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Op {
-    /// The worker (index into the frame's worker list) now holds these blocks.
+    /// The worker (index into the frame's worker list) now holds these blocks (in GPU
+    /// memory, or in a tier the client was not told apart).
     Store { worker: u32, blocks: Vec<FeedBlock> },
+    /// The worker now holds these blocks only in an offload tier (CPU memory, disk): hits
+    /// that cost a load instead of a recompute. Sent only to clients that asked (`tiers=1`).
+    StoreOffloaded { worker: u32, blocks: Vec<FeedBlock> },
     /// The worker no longer holds these blocks.
     Remove { worker: u32, blocks: Vec<FeedBlock> },
     /// The worker holds nothing (engine restart, `AllBlocksCleared`).
@@ -97,6 +101,7 @@ impl From<LayoutError> for FrameError {
 const OP_STORE: u8 = 1;
 const OP_REMOVE: u8 = 2;
 const OP_CLEAR: u8 = 3;
+const OP_STORE_OFFLOADED: u8 = 4;
 const BLOCK_LEN: usize = 16;
 
 impl Frame {
@@ -119,7 +124,9 @@ impl Frame {
             .ops
             .iter()
             .map(|o| match o {
-                Op::Store { blocks, .. } | Op::Remove { blocks, .. } => blocks.len(),
+                Op::Store { blocks, .. } | Op::StoreOffloaded { blocks, .. } | Op::Remove { blocks, .. } => {
+                    blocks.len()
+                }
                 Op::Clear { .. } => 0,
             })
             .sum();
@@ -146,6 +153,7 @@ impl Frame {
         for op in &self.ops {
             let (code, worker, blocks) = match op {
                 Op::Store { worker, blocks } => (OP_STORE, *worker, Some(blocks)),
+                Op::StoreOffloaded { worker, blocks } => (OP_STORE_OFFLOADED, *worker, Some(blocks)),
                 Op::Remove { worker, blocks } => (OP_REMOVE, *worker, Some(blocks)),
                 Op::Clear { worker } => (OP_CLEAR, *worker, None),
             };
@@ -225,7 +233,7 @@ impl Frame {
                 return Err(FrameError(format!("op names worker {worker} of {}", workers.len())));
             }
             let op = match code {
-                OP_STORE | OP_REMOVE => {
+                OP_STORE | OP_STORE_OFFLOADED | OP_REMOVE => {
                     let n = r.u32("block count")? as usize;
                     if n > r.remaining() / BLOCK_LEN {
                         return Err(FrameError(format!("block count {n} exceeds the frame")));
@@ -234,10 +242,10 @@ impl Frame {
                     for _ in 0..n {
                         blocks.push(FeedBlock { hash: r.u64("block hash")?, anchor: r.u64("block anchor")? });
                     }
-                    if code == OP_STORE {
-                        Op::Store { worker, blocks }
-                    } else {
-                        Op::Remove { worker, blocks }
+                    match code {
+                        OP_STORE => Op::Store { worker, blocks },
+                        OP_STORE_OFFLOADED => Op::StoreOffloaded { worker, blocks },
+                        _ => Op::Remove { worker, blocks },
                     }
                 }
                 OP_CLEAR => Op::Clear { worker },
@@ -252,9 +260,10 @@ impl Frame {
     }
 }
 
-/// The path and query of a feed poll (see the protocol document).
+/// The path and query of a feed poll (see the protocol document); `tiers=1` asks for
+/// `STORE_OFFLOADED` ops.
 pub fn poll_path(base: &str, epoch: u64, since: u64, cursor: u64, timeout_ms: u64) -> String {
-    format!("{base}?epoch={epoch}&since={since}&cursor={cursor}&timeout_ms={timeout_ms}")
+    format!("{base}?epoch={epoch}&since={since}&cursor={cursor}&timeout_ms={timeout_ms}&tiers=1")
 }
 
 #[cfg(test)]

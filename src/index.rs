@@ -7,7 +7,8 @@
 
 use crate::feed::{Frame, FrameKind, Op};
 use crate::layout::{
-    bucket_key, bucket_of, encode_bucket, Bucket, FlyEntry, SlotState, WorkerSlot, WorkerTable, FLY_ENTRY, TABLE_KEY,
+    bucket_key, bucket_of, encode_bucket, Bucket, FlyEntry, IndexPart, SlotState, WorkerSlot, WorkerTable, FLY_ENTRY,
+    TABLE_KEY,
 };
 use crate::router::{SharedStore, StoreError, CAS_ATTEMPTS};
 use crate::slots::MAX_SLOTS;
@@ -45,7 +46,8 @@ pub struct SyncIndex {
     n_buckets: u32,
     /// u64 words per holder mask; grows with the slot count.
     mask_words: usize,
-    /// Per bucket, entries `[hash, mask_words × u64]` flattened, sorted by hash.
+    /// Per bucket, entries `[hash, holders: mask_words × u64, offloaded-only: mask_words ×
+    /// u64]` flattened, sorted by hash.
     buckets: Vec<Vec<u64>>,
     slots: Vec<WorkerSlot>,
     block_size: u32,
@@ -183,17 +185,25 @@ impl SyncIndex {
         let mut stats = ApplyStats::default();
         let slot_of = self.apply_workers(frame, &mut stats);
         for op in &frame.ops {
-            let (Op::Store { worker, .. } | Op::Remove { worker, .. } | Op::Clear { worker }) = op;
+            let (Op::Store { worker, .. }
+            | Op::StoreOffloaded { worker, .. }
+            | Op::Remove { worker, .. }
+            | Op::Clear { worker }) = op;
             let Some(Some(slot)) = slot_of.get(*worker as usize).copied() else { continue };
             match op {
                 Op::Store { blocks, .. } => {
                     for b in blocks {
-                        stats.stored += u64::from(self.set_bit(b.hash, b.anchor, slot, true));
+                        stats.stored += u64::from(self.set_hold(b.hash, b.anchor, slot, Hold::Gpu));
+                    }
+                }
+                Op::StoreOffloaded { blocks, .. } => {
+                    for b in blocks {
+                        stats.stored += u64::from(self.set_hold(b.hash, b.anchor, slot, Hold::Offloaded));
                     }
                 }
                 Op::Remove { blocks, .. } => {
                     for b in blocks {
-                        stats.removed += u64::from(self.set_bit(b.hash, b.anchor, slot, false));
+                        stats.removed += u64::from(self.set_hold(b.hash, b.anchor, slot, Hold::None));
                     }
                 }
                 Op::Clear { .. } => {
@@ -265,16 +275,23 @@ impl SyncIndex {
         slot_of
     }
 
+    fn stride(&self) -> usize {
+        1 + 2 * self.mask_words
+    }
+
     fn widen_masks(&mut self, words: usize) {
         let old = self.mask_words;
         for b in 0..self.buckets.len() {
             if self.buckets[b].is_empty() {
                 continue;
             }
-            let mut wide = Vec::with_capacity(self.buckets[b].len() / (1 + old) * (1 + words));
-            for e in self.buckets[b].chunks_exact(1 + old) {
-                wide.extend_from_slice(e);
-                wide.extend(std::iter::repeat_n(0, words - old));
+            let mut wide = Vec::with_capacity(self.buckets[b].len() / (1 + 2 * old) * (1 + 2 * words));
+            for e in self.buckets[b].chunks_exact(1 + 2 * old) {
+                wide.push(e[0]);
+                for mask in [&e[1..1 + old], &e[1 + old..]] {
+                    wide.extend_from_slice(mask);
+                    wide.extend(std::iter::repeat_n(0, words - old));
+                }
             }
             self.buckets[b] = wide;
             self.mark(b as u32);
@@ -289,10 +306,10 @@ impl SyncIndex {
         }
     }
 
-    /// Sets or clears `slot` on `hash`; true when that changed anything.
-    fn set_bit(&mut self, hash: u64, anchor: u64, slot: usize, on: bool) -> bool {
+    /// Sets how `slot` holds `hash`; true when that changed anything.
+    fn set_hold(&mut self, hash: u64, anchor: u64, slot: usize, hold: Hold) -> bool {
         let b = bucket_of(anchor, self.n_buckets);
-        let stride = 1 + self.mask_words;
+        let (mw, stride) = (self.mask_words, self.stride());
         let entries = &mut self.buckets[b as usize];
         let n = entries.len() / stride;
         let (mut lo, mut hi) = (0, n);
@@ -306,33 +323,38 @@ impl SyncIndex {
         }
         let (word, bit) = (slot / 64, 1u64 << (slot % 64));
         let found = lo < n && entries[lo * stride] == hash;
-        let changed = match (found, on) {
-            (true, true) => {
-                let w = &mut entries[lo * stride + 1 + word];
-                let changed = *w & bit == 0;
-                *w |= bit;
-                changed
+        if !found {
+            if hold == Hold::None {
+                return false;
             }
-            (true, false) => {
-                let w = &mut entries[lo * stride + 1 + word];
-                let changed = *w & bit != 0;
-                *w &= !bit;
-                if entries[lo * stride + 1..(lo + 1) * stride].iter().all(|w| *w == 0) {
-                    entries.drain(lo * stride..(lo + 1) * stride);
-                    self.entries -= 1;
-                }
-                changed
+            let at = lo * stride;
+            entries.splice(at..at, std::iter::repeat_n(0, stride));
+            entries[at] = hash;
+        }
+        let at = lo * stride;
+        let (held, off) = (at + 1 + word, at + 1 + mw + word);
+        let before = (entries[held] & bit, entries[off] & bit);
+        match hold {
+            Hold::Gpu => {
+                entries[held] |= bit;
+                entries[off] &= !bit;
             }
-            (false, true) => {
-                let at = lo * stride;
-                entries.splice(at..at, std::iter::repeat_n(0, stride));
-                entries[at] = hash;
-                entries[at + 1 + word] = bit;
-                self.entries += 1;
-                true
+            Hold::Offloaded => {
+                entries[held] |= bit;
+                entries[off] |= bit;
             }
-            (false, false) => false,
-        };
+            Hold::None => {
+                entries[held] &= !bit;
+                entries[off] &= !bit;
+            }
+        }
+        let changed = before != (entries[held] & bit, entries[off] & bit);
+        if !found {
+            self.entries += 1;
+        } else if entries[at + 1..at + 1 + mw].iter().all(|w| *w == 0) {
+            entries.drain(at..at + stride);
+            self.entries -= 1;
+        }
         if changed {
             self.mark(b);
         }
@@ -340,9 +362,9 @@ impl SyncIndex {
     }
 
     fn clear_slot(&mut self, slot: usize) {
-        let stride = 1 + self.mask_words;
+        let (mw, stride) = (self.mask_words, self.stride());
         let (word, bit) = (slot / 64, 1u64 << (slot % 64));
-        if word >= self.mask_words {
+        if word >= mw {
             return;
         }
         for b in 0..self.buckets.len() {
@@ -350,16 +372,16 @@ impl SyncIndex {
             if entries.is_empty() {
                 continue;
             }
-            let before = entries.len();
             let mut touched = false;
-            let mut kept = Vec::with_capacity(before);
+            let mut kept = Vec::with_capacity(entries.len());
             for e in entries.chunks_exact(stride) {
                 let mut e = e.to_vec();
                 if e[1 + word] & bit != 0 {
                     touched = true;
                     e[1 + word] &= !bit;
+                    e[1 + mw + word] &= !bit;
                 }
-                if e[1..].iter().any(|w| *w != 0) {
+                if e[1..1 + mw].iter().any(|w| *w != 0) {
                     kept.extend_from_slice(&e);
                 } else {
                     self.entries -= 1;
@@ -392,7 +414,7 @@ impl SyncIndex {
     /// prediction has done its job. Both lists are sorted by hash: one merge pass.
     fn drop_confirmed(&self, b: u32, fly: &[u8], n: usize, out: &mut Vec<u8>) -> usize {
         out.clear();
-        let stride = 1 + self.mask_words;
+        let stride = self.stride();
         let entries = &self.buckets[b as usize];
         let mut j = 0;
         for raw in fly.chunks_exact(FLY_ENTRY).take(n) {
@@ -413,12 +435,15 @@ impl SyncIndex {
         out.len() / FLY_ENTRY
     }
 
-    /// The index part of bucket `b` as stored: `(mask_words, n_idx, raw entries)`.
-    pub fn encode_idx(&self, b: u32) -> (usize, usize, Vec<u8>) {
+    /// The index part of bucket `b` as stored: `(mask_words, tiered, n_idx, raw entries)`.
+    /// The offloaded-only masks are written only when one of them is not empty.
+    pub fn encode_idx(&self, b: u32) -> (usize, bool, usize, Vec<u8>) {
+        let (mw, stride) = (self.mask_words, self.stride());
         let entries = &self.buckets[b as usize];
-        let stride = 1 + self.mask_words;
-        let raw = entries.iter().flat_map(|w| w.to_le_bytes()).collect();
-        (self.mask_words, entries.len() / stride, raw)
+        let tiered = entries.chunks_exact(stride).any(|e| e[1 + mw..].iter().any(|w| *w != 0));
+        let keep = if tiered { stride } else { 1 + mw };
+        let raw = entries.chunks_exact(stride).flat_map(|e| &e[..keep]).flat_map(|w| w.to_le_bytes()).collect();
+        (mw, tiered, entries.len() / stride, raw)
     }
 
     /// The worker table if it changed since the last call.
@@ -440,6 +465,14 @@ impl SyncIndex {
             slots: self.slots.clone(),
         }
     }
+}
+
+/// How a worker holds a block, as the feed says.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Hold {
+    Gpu,
+    Offloaded,
+    None,
 }
 
 /// Shared-data writes of one [`publish`].
@@ -473,7 +506,8 @@ pub fn publish(index: &mut SyncIndex, store: &dyn SharedStore) -> PublishStats {
 
 fn write_bucket(index: &SyncIndex, store: &dyn SharedStore, b: u32) -> bool {
     let key = bucket_key(b);
-    let (mw, n_idx, raw) = index.encode_idx(b);
+    let (mask_words, tiered, n, raw) = index.encode_idx(b);
+    let part = IndexPart { mask_words, tiered, n, raw: &raw };
     let mut fly = Vec::new();
     for _ in 0..CAS_ATTEMPTS {
         let Ok((cur, cas)) = store.get(&key) else { return false };
@@ -483,7 +517,7 @@ fn write_bucket(index: &SyncIndex, store: &dyn SharedStore, b: u32) -> bool {
         let parsed = Bucket::parse(&cur).unwrap_or(Bucket::EMPTY);
         let (n_old, old) = parsed.fly_raw();
         let n_fly = index.drop_confirmed(b, old, n_old, &mut fly);
-        let value = encode_bucket(mw, n_idx, &raw, n_fly, &fly, parsed.sweep_at_ms());
+        let value = encode_bucket(part, n_fly, &fly, parsed.sweep_at_ms());
         match store.set(&key, &value, Some(cas.unwrap_or(0))) {
             Ok(()) => return true,
             Err(StoreError::CasMismatch) => continue,
@@ -497,7 +531,7 @@ fn write_bucket(index: &SyncIndex, store: &dyn SharedStore, b: u32) -> bool {
 mod tests {
     use super::*;
     use crate::feed::{FeedBlock, FeedWorker};
-    use crate::layout::{encode_bucket, Bucket, Role};
+    use crate::layout::{encode_bucket, Bucket, IndexPart, Role};
     use crate::slots::SlotSet;
     #[cfg(target_arch = "wasm32")]
     use wasm_bindgen_test::wasm_bindgen_test as test;
@@ -510,11 +544,48 @@ mod tests {
         Frame { kind, epoch: 1, from_version: from, to_version: to, next_cursor: 0, block_size: 16, workers, ops }
     }
 
+    fn bucket_bytes(ix: &SyncIndex, anchor: u64) -> Vec<u8> {
+        let (mask_words, tiered, n, raw) = ix.encode_idx(bucket_of(anchor, ix.n_buckets()));
+        encode_bucket(IndexPart { mask_words, tiered, n, raw: &raw }, 0, &[], 0)
+    }
+
     fn holders(ix: &SyncIndex, hash: u64, anchor: u64) -> Vec<usize> {
-        let b = bucket_of(anchor, ix.n_buckets());
-        let (mw, n, raw) = ix.encode_idx(b);
-        let bytes = encode_bucket(mw, n, &raw, 0, &[], 0);
-        Bucket::parse(&bytes).unwrap().holders(hash, 0, false, &SlotSet::FULL).iter().collect()
+        Bucket::parse(&bucket_bytes(ix, anchor)).unwrap().holders(hash, 0, false, &SlotSet::FULL).iter().collect()
+    }
+
+    fn offloaded(ix: &SyncIndex, hash: u64, anchor: u64) -> Vec<usize> {
+        let bytes = bucket_bytes(ix, anchor);
+        Bucket::parse(&bytes).unwrap().offloaded_only(hash, 0, false, &SlotSet::FULL).iter().collect()
+    }
+
+    #[test]
+    fn tiers_move_between_gpu_and_offload() {
+        let ws = vec![worker("a:1"), worker("b:1")];
+        let mut ix = SyncIndex::new(64);
+        ix.apply(&frame(
+            FrameKind::SnapshotStart,
+            0,
+            1,
+            ws.clone(),
+            vec![Op::Store { worker: 0, blocks: vec![blk(7)] }, Op::StoreOffloaded { worker: 1, blocks: vec![blk(7)] }],
+        ))
+        .unwrap();
+        assert_eq!((holders(&ix, 7, 1000), offloaded(&ix, 7, 1000)), (vec![0, 1], vec![1]));
+        assert!(Bucket::parse(&bucket_bytes(&ix, 1000)).unwrap().is_tiered());
+        // b's copy comes back to its GPU; a's goes to CPU; then a loses it altogether.
+        ix.apply(&frame(
+            FrameKind::Delta,
+            1,
+            2,
+            ws.clone(),
+            vec![Op::Store { worker: 1, blocks: vec![blk(7)] }, Op::StoreOffloaded { worker: 0, blocks: vec![blk(7)] }],
+        ))
+        .unwrap();
+        assert_eq!((holders(&ix, 7, 1000), offloaded(&ix, 7, 1000)), (vec![0, 1], vec![0]));
+        ix.apply(&frame(FrameKind::Delta, 2, 3, ws, vec![Op::Remove { worker: 0, blocks: vec![blk(7)] }])).unwrap();
+        assert_eq!((holders(&ix, 7, 1000), offloaded(&ix, 7, 1000)), (vec![1], vec![]));
+        // No offloaded holder left: the bucket is written in the untiered format.
+        assert!(!Bucket::parse(&bucket_bytes(&ix, 1000)).unwrap().is_tiered());
     }
 
     fn blk(hash: u64) -> FeedBlock {
@@ -645,7 +716,7 @@ mod tests {
             FlyEntry { hash: 7, slot: 1, refs: 1, until_ms: 99 },
             FlyEntry { hash: 8, slot: 0, refs: 0, until_ms: 99 },
         ];
-        store.set(&key, &encode_bucket(1, 0, &[], 3, &fly_raw_of(&fly), 0), None).unwrap();
+        store.set(&key, &encode_bucket(IndexPart::EMPTY, 3, &fly_raw_of(&fly), 0), None).unwrap();
         // The engines confirm 7 on both slots.
         let d = Op::Store { worker: 0, blocks: vec![blk(7)] };
         let d2 = Op::Store { worker: 1, blocks: vec![blk(7)] };

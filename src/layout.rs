@@ -305,7 +305,11 @@ impl FlyEntry {
     }
 }
 
+/// Index entries carry holders only.
 const BUCKET_FORMAT: u16 = 1;
+/// Index entries carry holders, then the holders that have the block only in an offload
+/// tier (a subset), each `mask_words` words.
+const BUCKET_FORMAT_TIERED: u16 = 2;
 const BUCKET_HEADER: usize = 20;
 /// Bytes of one in-flight entry.
 pub const FLY_ENTRY: usize = 20;
@@ -314,13 +318,15 @@ pub const FLY_ENTRY: usize = 20;
 /// deleted, so "removed" is "stored empty").
 ///
 /// ```text
-/// u16 format = 1 | u16 mask_words | u32 n_idx | u32 n_fly | u64 sweep_at_ms
-/// n_idx × (u64 hash, mask_words × u64 holder mask)      sorted by hash   (sync-owned)
-/// n_fly × (u64 hash, u16 slot, u16 refs, u64 until_ms)   sorted by (hash, slot) (filter-owned)
+/// u16 format (1, or 2 = tiered) | u16 mask_words | u32 n_idx | u32 n_fly | u64 sweep_at_ms
+/// n_idx × (u64 hash, mask_words × u64 holder mask          sorted by hash   (sync-owned)
+///          [, mask_words × u64 offloaded-only mask])       (format 2 only)
+/// n_fly × (u64 hash, u16 slot, u16 refs, u64 until_ms)      sorted by (hash, slot) (filter-owned)
 /// ```
 #[derive(Clone, Copy, Debug)]
 pub struct Bucket<'a> {
     mask_words: usize,
+    tiered: bool,
     n_idx: usize,
     idx: &'a [u8],
     n_fly: usize,
@@ -329,16 +335,19 @@ pub struct Bucket<'a> {
 }
 
 impl<'a> Bucket<'a> {
-    pub const EMPTY: Bucket<'static> = Bucket { mask_words: 0, n_idx: 0, idx: &[], n_fly: 0, fly: &[], sweep_at_ms: 0 };
+    pub const EMPTY: Bucket<'static> =
+        Bucket { mask_words: 0, tiered: false, n_idx: 0, idx: &[], n_fly: 0, fly: &[], sweep_at_ms: 0 };
 
     pub fn parse(bytes: &'a [u8]) -> Result<Bucket<'a>, LayoutError> {
         if bytes.is_empty() {
             return Ok(Bucket::EMPTY);
         }
         let mut r = Reader::new(bytes);
-        if r.u16("bucket format")? != BUCKET_FORMAT {
-            return Err(LayoutError("unknown bucket format"));
-        }
+        let tiered = match r.u16("bucket format")? {
+            BUCKET_FORMAT => false,
+            BUCKET_FORMAT_TIERED => true,
+            _ => return Err(LayoutError("unknown bucket format")),
+        };
         let mask_words = usize::from(r.u16("mask words")?);
         if mask_words > MAX_SLOTS / 64 {
             return Err(LayoutError("mask too wide"));
@@ -346,14 +355,15 @@ impl<'a> Bucket<'a> {
         let n_idx = r.u32("index count")? as usize;
         let n_fly = r.u32("in-flight count")? as usize;
         let sweep_at_ms = r.u64("sweep time")?;
-        let idx_len = n_idx.checked_mul(8 + 8 * mask_words).ok_or(LayoutError("index size"))?;
+        let stride = IndexPart { mask_words, tiered, n: 0, raw: &[] }.stride();
+        let idx_len = n_idx.checked_mul(stride).ok_or(LayoutError("index size"))?;
         let fly_len = n_fly.checked_mul(FLY_ENTRY).ok_or(LayoutError("in-flight size"))?;
         if r.remaining() != idx_len.saturating_add(fly_len) {
             return Err(LayoutError("bucket length"));
         }
         let idx = r.take(idx_len, "index entries")?;
         let fly = r.take(fly_len, "in-flight entries")?;
-        Ok(Bucket { mask_words, n_idx, idx, n_fly, fly, sweep_at_ms })
+        Ok(Bucket { mask_words, tiered, n_idx, idx, n_fly, fly, sweep_at_ms })
     }
 
     pub fn n_idx(&self) -> usize {
@@ -365,7 +375,12 @@ impl<'a> Bucket<'a> {
     }
 
     fn idx_stride(&self) -> usize {
-        8 + 8 * self.mask_words
+        self.index_part().stride()
+    }
+
+    /// Whether some index entry has holders that hold it only offloaded.
+    pub fn is_tiered(&self) -> bool {
+        self.tiered
     }
 
     fn idx_hash(&self, i: usize) -> u64 {
@@ -374,19 +389,28 @@ impl<'a> Bucket<'a> {
 
     /// The holder mask of `hash` in the index part, as raw little-endian words.
     pub fn idx_mask(&self, hash: u64) -> Option<&'a [u8]> {
+        self.idx_masks(hash).map(|(holders, _)| holders)
+    }
+
+    /// The holder mask of `hash` and, in a tiered bucket, its offloaded-only mask.
+    pub fn idx_masks(&self, hash: u64) -> Option<(&'a [u8], Option<&'a [u8]>)> {
         let (mut lo, mut hi) = (0, self.n_idx);
         while lo < hi {
             let mid = (lo + hi) / 2;
             match self.idx_hash(mid).cmp(&hash) {
                 std::cmp::Ordering::Less => lo = mid + 1,
                 std::cmp::Ordering::Greater => hi = mid,
-                std::cmp::Ordering::Equal => {
-                    let s = mid * self.idx_stride() + 8;
-                    return Some(&self.idx[s..s + 8 * self.mask_words]);
-                }
+                std::cmp::Ordering::Equal => return Some(self.masks_at(mid)),
             }
         }
         None
+    }
+
+    /// The masks of the `i`-th index entry.
+    pub fn masks_at(&self, i: usize) -> (&'a [u8], Option<&'a [u8]>) {
+        let s = i * self.idx_stride() + 8;
+        let w = 8 * self.mask_words;
+        (&self.idx[s..s + w], self.tiered.then(|| &self.idx[s + w..s + 2 * w]))
     }
 
     pub fn fly_entry(&self, i: usize) -> FlyEntry {
@@ -422,25 +446,51 @@ impl<'a> Bucket<'a> {
             out = out.intersection(among);
         }
         if with_fly && self.n_fly > 0 {
-            let mut i = self.fly_lower_bound(hash);
-            while i < self.n_fly {
-                let b = &self.fly[i * FLY_ENTRY..(i + 1) * FLY_ENTRY];
-                if le_u64(b) != hash {
-                    break;
-                }
-                let slot = usize::from(u16::from_le_bytes([b[8], b[9]]));
-                if among.contains(slot) && le_u64(&b[12..]) > now_ms {
-                    out.insert(slot);
-                }
-                i += 1;
-            }
+            self.add_fly_holders(hash, now_ms, among, &mut out);
         }
         out
     }
 
-    /// The raw index part: `(mask_words, n_idx, bytes)`.
-    pub fn idx_raw(&self) -> (usize, usize, &'a [u8]) {
-        (self.mask_words, self.n_idx, self.idx)
+    /// The slots of `among` with `hash` in flight or predicted at `now_ms`.
+    pub fn fly_holders(&self, hash: u64, now_ms: u64, among: &SlotSet) -> SlotSet {
+        let mut out = SlotSet::EMPTY;
+        self.add_fly_holders(hash, now_ms, among, &mut out);
+        out
+    }
+
+    #[inline]
+    fn add_fly_holders(&self, hash: u64, now_ms: u64, among: &SlotSet, out: &mut SlotSet) {
+        let mut i = self.fly_lower_bound(hash);
+        while i < self.n_fly {
+            let b = &self.fly[i * FLY_ENTRY..(i + 1) * FLY_ENTRY];
+            if le_u64(b) != hash {
+                break;
+            }
+            let slot = usize::from(u16::from_le_bytes([b[8], b[9]]));
+            if among.contains(slot) && le_u64(&b[12..]) > now_ms {
+                out.insert(slot);
+            }
+            i += 1;
+        }
+    }
+
+    /// The slots of `among` that hold `hash` only in an offload tier: in the index's
+    /// offloaded mask and (when `with_fly`) not in flight or predicted there — a block
+    /// routed to a worker is being loaded into its GPU.
+    pub fn offloaded_only(&self, hash: u64, now_ms: u64, with_fly: bool, among: &SlotSet) -> SlotSet {
+        let Some((_, Some(off))) = self.idx_masks(hash) else { return SlotSet::EMPTY };
+        let mut out = SlotSet::EMPTY;
+        out.union_le_words(off);
+        out = out.intersection(among);
+        if with_fly && !out.is_empty() && self.n_fly > 0 {
+            out = out.difference(&self.fly_holders(hash, now_ms, &out));
+        }
+        out
+    }
+
+    /// The index part as stored.
+    pub fn index_part(&self) -> IndexPart<'a> {
+        IndexPart { mask_words: self.mask_words, tiered: self.tiered, n: self.n_idx, raw: self.idx }
     }
 
     /// The raw in-flight part: `(n_fly, bytes)`.
@@ -473,17 +523,29 @@ impl FlyEntry {
     }
 }
 
+/// A bucket's index part as stored: `n` entries of `(hash, holders[, offloaded-only])`,
+/// masks of `mask_words` words, the second mask present when `tiered`.
+#[derive(Clone, Copy, Debug)]
+pub struct IndexPart<'a> {
+    pub mask_words: usize,
+    pub tiered: bool,
+    pub n: usize,
+    pub raw: &'a [u8],
+}
+
+impl IndexPart<'_> {
+    pub const EMPTY: IndexPart<'static> = IndexPart { mask_words: 1, tiered: false, n: 0, raw: &[] };
+
+    /// Bytes per entry.
+    pub fn stride(&self) -> usize {
+        8 + 8 * self.mask_words * (1 + usize::from(self.tiered))
+    }
+}
+
 /// Encodes a bucket from its two raw parts. Both parts empty encode to an empty value.
-pub fn encode_bucket(
-    mask_words: usize,
-    n_idx: usize,
-    idx_raw: &[u8],
-    n_fly: usize,
-    fly_raw: &[u8],
-    sweep_at_ms: u64,
-) -> Vec<u8> {
-    let mut out = Vec::with_capacity(BUCKET_HEADER + idx_raw.len() + fly_raw.len());
-    begin_bucket(&mut out, mask_words, n_idx, idx_raw, sweep_at_ms);
+pub fn encode_bucket(index: IndexPart<'_>, n_fly: usize, fly_raw: &[u8], sweep_at_ms: u64) -> Vec<u8> {
+    let mut out = Vec::with_capacity(BUCKET_HEADER + index.raw.len() + fly_raw.len());
+    begin_bucket(&mut out, index, sweep_at_ms);
     out.extend_from_slice(fly_raw);
     finish_bucket(&mut out, n_fly);
     out
@@ -492,14 +554,15 @@ pub fn encode_bucket(
 /// Starts a bucket value in `out` (cleared): the header and the index part. The in-flight
 /// entries are then appended straight into `out`, and [`finish_bucket`] records how many
 /// — so a rewritten bucket is built without an intermediate copy.
-pub fn begin_bucket(out: &mut Vec<u8>, mask_words: usize, n_idx: usize, idx_raw: &[u8], sweep_at_ms: u64) {
+pub fn begin_bucket(out: &mut Vec<u8>, index: IndexPart<'_>, sweep_at_ms: u64) {
     out.clear();
-    out.extend_from_slice(&BUCKET_FORMAT.to_le_bytes());
-    out.extend_from_slice(&(mask_words as u16).to_le_bytes());
-    out.extend_from_slice(&(n_idx as u32).to_le_bytes());
+    let format = if index.tiered { BUCKET_FORMAT_TIERED } else { BUCKET_FORMAT };
+    out.extend_from_slice(&format.to_le_bytes());
+    out.extend_from_slice(&(index.mask_words as u16).to_le_bytes());
+    out.extend_from_slice(&(index.n as u32).to_le_bytes());
     out.extend_from_slice(&0u32.to_le_bytes());
     out.extend_from_slice(&sweep_at_ms.to_le_bytes());
-    out.extend_from_slice(idx_raw);
+    out.extend_from_slice(index.raw);
 }
 
 /// Completes a bucket started by [`begin_bucket`] with `n_fly` in-flight entries appended.
@@ -578,7 +641,8 @@ mod tests {
             FlyEntry { hash: 5, slot: 3, refs: 1, until_ms: 100 },
             FlyEntry { hash: 9, slot: 4, refs: 0, until_ms: 50 },
         ];
-        let bytes = encode_bucket(1, 2, &idx, fly.len(), &fly_raw_of(&fly), 7);
+        let part = IndexPart { mask_words: 1, tiered: false, n: 2, raw: &idx };
+        let bytes = encode_bucket(part, fly.len(), &fly_raw_of(&fly), 7);
         let b = Bucket::parse(&bytes).unwrap();
         let all = SlotSet::FULL;
         let s = b.holders(5, 60, true, &all);
@@ -596,9 +660,31 @@ mod tests {
         for cut in 1..bytes.len() {
             assert!(Bucket::parse(&bytes[..cut]).is_err(), "cut {cut}");
         }
-        assert_eq!(encode_bucket(1, 0, &[], 0, &[], 0), Vec::<u8>::new());
+        assert_eq!(encode_bucket(IndexPart::EMPTY, 0, &[], 0), Vec::<u8>::new());
         assert_eq!(b.sweep_at_ms(), 7);
         assert_eq!(Bucket::parse(&[]).unwrap().n_idx(), 0);
+    }
+
+    #[test]
+    fn tiered_bucket_knows_offloaded_only_holders() {
+        // hash 5: held by {0, 1, 2}, of which {1, 2} only offloaded; slot 2 has it in flight.
+        let mut idx = Vec::new();
+        for w in [5u64, 0b111, 0b110] {
+            idx.extend_from_slice(&w.to_le_bytes());
+        }
+        let fly = [FlyEntry { hash: 5, slot: 2, refs: 1, until_ms: 100 }];
+        let part = IndexPart { mask_words: 1, tiered: true, n: 1, raw: &idx };
+        let bytes = encode_bucket(part, 1, &fly_raw_of(&fly), 0);
+        let b = Bucket::parse(&bytes).unwrap();
+        assert!(b.is_tiered());
+        assert_eq!(b.holders(5, 0, true, &SlotSet::FULL).iter().collect::<Vec<_>>(), vec![0, 1, 2]);
+        // in flight on 2 = being loaded into its GPU: only 1 is offloaded-only
+        assert_eq!(b.offloaded_only(5, 0, true, &SlotSet::FULL).iter().collect::<Vec<_>>(), vec![1]);
+        assert_eq!(b.offloaded_only(5, 0, false, &SlotSet::FULL).iter().collect::<Vec<_>>(), vec![1, 2]);
+        assert!(b.offloaded_only(6, 0, true, &SlotSet::FULL).is_empty());
+        for cut in 1..bytes.len() {
+            assert!(Bucket::parse(&bytes[..cut]).is_err(), "cut {cut}");
+        }
     }
 
     #[test]

@@ -97,6 +97,14 @@ impl Held {
     }
 }
 
+/// Per slot (indexed by slot), what the scan found.
+struct Hits {
+    /// `cache_hits`: leading consecutive blocks held.
+    leading: Vec<u32>,
+    /// Of those, blocks held only in an offload tier.
+    offloaded: Vec<u32>,
+}
+
 /// The outcome of [`Router::route`].
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Decision {
@@ -109,6 +117,8 @@ pub struct Decision {
     pub request_blocks: u32,
     /// Cache hits of the chosen (decode or aggregated) worker.
     pub hits: u32,
+    /// Of them, blocks it holds only in an offload tier.
+    pub offloaded_hits: u32,
     pub cost: f64,
     pub held: Held,
     /// Shared-data values that failed to decode (table, load or buckets).
@@ -119,11 +129,15 @@ pub struct Decision {
 }
 
 impl Decision {
-    /// `worker=…;hits=…;blocks=…;cost=…[;prefill=…]` for the debug response header.
+    /// `worker=…;hits=…;blocks=…;cost=…[;offloaded=…][;prefill=…][;fallback=…]` for the
+    /// debug response header.
     pub fn debug_value(&self) -> String {
         let mut s = String::new();
         let worker = self.destinations.first().map(String::as_str).unwrap_or("-");
         let _ = write!(s, "worker={worker};hits={};blocks={};cost={}", self.hits, self.request_blocks, self.cost);
+        if self.offloaded_hits > 0 {
+            let _ = write!(s, ";offloaded={}", self.offloaded_hits);
+        }
         if let Some(p) = &self.prefiller {
             let _ = write!(s, ";prefill={p}");
         }
@@ -196,6 +210,7 @@ impl Router {
             }
         }
         let (hits, scanned) = self.scan(store, &hashes, candidates, &table, now_ms, &mut d);
+        let hits = &hits;
 
         // Choose: in PD mode the prefill worker first, then the destination list.
         let request_key = hashes.first().copied().unwrap_or(entropy);
@@ -207,7 +222,7 @@ impl Router {
                 self.rank_set(
                     &table,
                     &prefill_set,
-                    &hits,
+                    hits,
                     &load.0,
                     self.cfg.prefill_overlap_weight,
                     d.request_blocks,
@@ -223,12 +238,13 @@ impl Router {
             Mode::Aggregated => self.cfg.overlap_weight,
             Mode::Pd => self.cfg.decode_overlap_weight,
         };
-        self.rank_set(&table, &decode_set, &hits, &load.0, weight, d.request_blocks, request_key);
+        self.rank_set(&table, &decode_set, hits, &load.0, weight, d.request_blocks, request_key);
         for s in self.scored.iter().take(self.cfg.max_endpoints) {
             d.destinations.push(table.slots[s.candidate.slot].id.clone());
         }
         if let Some(best) = self.scored.first() {
             d.hits = best.candidate.cache_hits;
+            d.offloaded_hits = best.candidate.offloaded_hits;
             d.cost = best.cost;
             let slot = best.candidate.slot as u16;
             if !chosen.contains(&slot) {
@@ -280,9 +296,10 @@ impl Router {
         table: &WorkerTable,
         now_ms: u64,
         d: &mut Decision,
-    ) -> (Vec<u32>, Vec<ScannedBucket>) {
+    ) -> (Hits, Vec<ScannedBucket>) {
         // Indexed by slot; every slot in `alive` is a slot of the table.
         let mut hits = vec![0u32; table.slots.len()];
+        let mut offloaded = vec![0u32; table.slots.len()];
         let mut scanned = Vec::new();
         for seg in segments(hashes.len()) {
             if alive.is_empty() {
@@ -299,7 +316,8 @@ impl Router {
                 }
             };
             let start = seg.start;
-            scan_segment(&bucket, &hashes[seg], start, now_ms, self.cfg.predict_on_route, &mut alive, &mut hits);
+            let with_fly = self.cfg.predict_on_route;
+            scan_segment(&bucket, &hashes[seg], start, now_ms, with_fly, &mut alive, &mut hits, &mut offloaded);
             scanned.push(ScannedBucket { value, cas });
         }
         for slot in alive.iter() {
@@ -307,7 +325,7 @@ impl Router {
                 *h = hashes.len() as u32;
             }
         }
-        (hits, scanned)
+        (Hits { leading: hits, offloaded }, scanned)
     }
 
     /// Scores the slots of `set` into `self.scored`, best first.
@@ -316,7 +334,7 @@ impl Router {
         &mut self,
         table: &WorkerTable,
         set: &SlotSet,
-        hits: &[u32],
+        hits: &Hits,
         load: &LoadVector,
         weight: f64,
         request_blocks: u32,
@@ -326,12 +344,14 @@ impl Router {
         for slot in set.iter() {
             self.candidates.push(Candidate {
                 slot,
-                cache_hits: hits.get(slot).copied().unwrap_or(0),
+                cache_hits: hits.leading.get(slot).copied().unwrap_or(0),
+                offloaded_hits: hits.offloaded.get(slot).copied().unwrap_or(0),
                 active_blocks: load.get(slot),
                 worker_key: worker_key(&table.slots[slot].id),
             });
         }
-        rank(&self.candidates, weight, request_blocks, request_key, &mut self.scored);
+        let credit = self.cfg.offload_hit_credit;
+        rank(&self.candidates, weight, credit, request_blocks, request_key, &mut self.scored);
     }
 
     /// Records the request's blocks as in flight on `slots`. `scanned` and `load` are the
@@ -473,14 +493,14 @@ fn update_bucket(
         let value = value.unwrap_or_default();
         let bucket = Bucket::parse(&value).map_err(|_| true)?;
         let (n_fly, fly_raw) = bucket.fly_raw();
-        let (mw, n_idx, idx_raw) = bucket.idx_raw();
+        let index = bucket.index_part();
         let mut sweep_at = bucket.sweep_at_ms();
         let sweep = now_ms >= sweep_at;
         if sweep {
             // This writer's turn to sweep the whole bucket.
             sweep_at = now_ms.saturating_add(inflight::SWEEP_INTERVAL_MS);
         }
-        begin_bucket(&mut out, mw, n_idx, idx_raw, sweep_at);
+        begin_bucket(&mut out, index, sweep_at);
         let (n, delta) = if sweep {
             swept.clear();
             let (n_live, mut delta) = inflight::sweep(fly_raw, n_fly, now_ms, &mut swept);

@@ -1,5 +1,5 @@
 //! `cache_hits` over one segment bucket: for each candidate worker, how many leading
-//! blocks of the request it holds.
+//! blocks of the request it holds, and how many of those only in an offload tier.
 //!
 //! The request's blocks are looked up in hash order, not position order: both parts of a
 //! bucket are sorted by hash, so each lookup gallops forward from the previous one over
@@ -19,8 +19,10 @@ const SORTED_SCAN_MIN_BLOCKS: usize = 64;
 /// Scans one segment: `hashes` are its blocks, the first at position `start` of the
 /// request. `alive` holds the slots that held every block before `start`; on return, those
 /// that also hold every block of this segment. `hits[slot]` is set for every slot that
-/// drops out (to the position of its first miss). `with_fly`: count in-flight and
-/// predicted entries as held.
+/// drops out (to the position of its first miss). `offloaded[slot]` is increased by the
+/// blocks of this segment within the slot's leading run that it holds only offloaded.
+/// `with_fly`: count in-flight and predicted entries as held (in GPU memory).
+#[allow(clippy::too_many_arguments)]
 pub fn scan_segment(
     bucket: &Bucket<'_>,
     hashes: &[u64],
@@ -29,10 +31,11 @@ pub fn scan_segment(
     with_fly: bool,
     alive: &mut SlotSet,
     hits: &mut [u32],
+    offloaded: &mut [u32],
 ) {
     let candidates: Vec<usize> = alive.iter().collect();
     if candidates.len() > 64 || hashes.len() < SORTED_SCAN_MIN_BLOCKS {
-        return scan_by_position(bucket, hashes, start, now_ms, with_fly, alive, hits);
+        return scan_by_position(bucket, hashes, start, now_ms, with_fly, alive, hits, offloaded);
     }
     // slot → bit among the candidates.
     let mut bit_of = [u8::MAX; MAX_SLOTS];
@@ -48,23 +51,36 @@ pub fn scan_segment(
 
     let mut order: Vec<u32> = (0..hashes.len() as u32).collect();
     order.sort_unstable_by_key(|&i| hashes[i as usize]);
+    let compact_mask = |mask: &[u8]| -> u64 {
+        let mut bits = 0u64;
+        for (w, word) in mask.chunks_exact(8).enumerate() {
+            let mut word = le_u64(word);
+            while word != 0 {
+                bits |= compact(w * 64 + word.trailing_zeros() as usize);
+                word &= word - 1;
+            }
+        }
+        bits
+    };
+
     let mut held = vec![0u64; hashes.len()];
-    let (mw, n_idx, idx) = bucket.idx_raw();
-    let stride = 8 + 8 * mw;
+    // Offloaded-only holders per block, in tiered buckets only.
+    let mut off_held = if bucket.is_tiered() { vec![0u64; hashes.len()] } else { Vec::new() };
+    let index = bucket.index_part();
+    let stride = index.stride();
+    let (n_idx, idx) = (index.n, index.raw);
     let (n_fly, fly) = bucket.fly_raw();
     let (mut i_idx, mut i_fly) = (0usize, 0usize);
     for &i in &order {
         let hash = hashes[i as usize];
         let mut bits = 0u64;
+        let mut off_bits = 0u64;
         i_idx = gallop(i_idx, n_idx, |k| le_u64(&idx[k * stride..]) < hash);
         if i_idx < n_idx && le_u64(&idx[i_idx * stride..]) == hash {
-            let mask = &idx[i_idx * stride + 8..(i_idx + 1) * stride];
-            for (w, word) in mask.chunks_exact(8).enumerate() {
-                let mut word = le_u64(word);
-                while word != 0 {
-                    bits |= compact(w * 64 + word.trailing_zeros() as usize);
-                    word &= word - 1;
-                }
+            let (mask, off) = bucket.masks_at(i_idx);
+            bits = compact_mask(mask);
+            if let Some(off) = off {
+                off_bits = compact_mask(off);
             }
         }
         if with_fly {
@@ -76,12 +92,17 @@ pub fn scan_segment(
                     break;
                 }
                 if le_u64(&e[12..]) > now_ms {
-                    bits |= compact(usize::from(u16::from_le_bytes([e[8], e[9]])));
+                    let bit = compact(usize::from(u16::from_le_bytes([e[8], e[9]])));
+                    bits |= bit;
+                    off_bits &= !bit; // routed there: being loaded into its GPU
                 }
                 k += 1;
             }
         }
         held[i as usize] = bits;
+        if let Some(o) = off_held.get_mut(i as usize) {
+            *o = off_bits;
+        }
     }
 
     let mut running = if candidates.len() == 64 { u64::MAX } else { (1u64 << candidates.len()) - 1 };
@@ -94,6 +115,14 @@ pub fn scan_segment(
                 *h = (start + offset) as u32;
             }
             dropped &= dropped - 1;
+        }
+        let mut off = still & off_held.get(offset).copied().unwrap_or(0);
+        while off != 0 {
+            let b = off.trailing_zeros() as usize;
+            if let Some(o) = offloaded.get_mut(candidates[b]) {
+                *o += 1;
+            }
+            off &= off - 1;
         }
         running = still;
         if running == 0 {
@@ -130,6 +159,7 @@ fn gallop(from: usize, n: usize, before: impl Fn(usize) -> bool) -> usize {
 }
 
 /// The plain path: one lookup per block, in position order.
+#[allow(clippy::too_many_arguments)]
 fn scan_by_position(
     bucket: &Bucket<'_>,
     hashes: &[u64],
@@ -138,9 +168,17 @@ fn scan_by_position(
     with_fly: bool,
     alive: &mut SlotSet,
     hits: &mut [u32],
+    offloaded: &mut [u32],
 ) {
     for (offset, &hash) in hashes.iter().enumerate() {
         let still = bucket.holders(hash, now_ms, with_fly, alive);
+        if bucket.is_tiered() {
+            for slot in bucket.offloaded_only(hash, now_ms, with_fly, &still).iter() {
+                if let Some(o) = offloaded.get_mut(slot) {
+                    *o += 1;
+                }
+            }
+        }
         if still != *alive {
             for slot in alive.difference(&still).iter() {
                 if let Some(h) = hits.get_mut(slot) {
@@ -158,7 +196,7 @@ fn scan_by_position(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::layout::{encode_bucket, fly_raw_of, FlyEntry};
+    use crate::layout::{encode_bucket, fly_raw_of, FlyEntry, IndexPart};
     #[cfg(target_arch = "wasm32")]
     use wasm_bindgen_test::wasm_bindgen_test as test;
 
@@ -170,28 +208,45 @@ mod tests {
         idx: impl Fn(usize) -> Vec<usize>,
         fly: impl Fn(usize) -> Vec<u16>,
     ) -> Vec<u8> {
+        tiered_bucket_bytes(n, mw, idx, |_| vec![], fly)
+    }
+
+    /// As [`bucket_bytes`], with `off(p)`: the index holders of block `p` that hold it only
+    /// offloaded (a tiered bucket when any).
+    fn tiered_bucket_bytes(
+        n: usize,
+        mw: usize,
+        idx: impl Fn(usize) -> Vec<usize>,
+        off: impl Fn(usize) -> Vec<usize>,
+        fly: impl Fn(usize) -> Vec<u16>,
+    ) -> Vec<u8> {
         // Hashes out of position order, as real chain hashes are.
         let hash = |p: usize| (p as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        let mut rows: Vec<(u64, Vec<u64>)> = (0..n)
-            .map(|p| {
-                let mut m = vec![0u64; mw];
-                for s in idx(p) {
-                    m[s / 64] |= 1 << (s % 64);
-                }
-                (hash(p), m)
-            })
-            .filter(|(_, m)| m.iter().any(|w| *w != 0))
+        let mask = |slots: Vec<usize>| {
+            let mut m = vec![0u64; mw];
+            for s in slots {
+                m[s / 64] |= 1 << (s % 64);
+            }
+            m
+        };
+        let mut rows: Vec<(u64, Vec<u64>, Vec<u64>)> = (0..n)
+            .map(|p| (hash(p), mask(idx(p)), mask(off(p))))
+            .filter(|(_, m, _)| m.iter().any(|w| *w != 0))
             .collect();
         rows.sort();
+        let tiered = rows.iter().any(|(_, _, o)| o.iter().any(|w| *w != 0));
         let raw: Vec<u8> = rows
             .iter()
-            .flat_map(|(h, m)| h.to_le_bytes().into_iter().chain(m.iter().flat_map(|w| w.to_le_bytes())))
+            .flat_map(|(h, m, o)| {
+                let words = m.iter().chain(if tiered { o.iter() } else { [].iter() });
+                h.to_le_bytes().into_iter().chain(words.flat_map(|w| w.to_le_bytes()))
+            })
             .collect();
         let mut f: Vec<FlyEntry> = (0..n)
             .flat_map(|p| fly(p).into_iter().map(move |s| FlyEntry { hash: hash(p), slot: s, refs: 1, until_ms: 100 }))
             .collect();
         f.sort_by_key(|e| (e.hash, e.slot));
-        encode_bucket(mw, rows.len(), &raw, f.len(), &fly_raw_of(&f), 0)
+        encode_bucket(IndexPart { mask_words: mw, tiered, n: rows.len(), raw: &raw }, f.len(), &fly_raw_of(&f), 0)
     }
 
     fn hashes(n: usize) -> Vec<u64> {
@@ -205,8 +260,51 @@ mod tests {
             alive.insert(s);
         }
         let mut hits = vec![u32::MAX; MAX_SLOTS];
-        scan_segment(&b, &hashes(n), 32, 50, with_fly, &mut alive, &mut hits);
+        let mut off = vec![0; MAX_SLOTS];
+        scan_segment(&b, &hashes(n), 32, 50, with_fly, &mut alive, &mut hits, &mut off);
         (alive.iter().collect(), hits)
+    }
+
+    fn run_offloaded(bytes: &[u8], n: usize, alive_slots: &[usize]) -> Vec<u32> {
+        let b = Bucket::parse(bytes).unwrap();
+        let mut alive = SlotSet::EMPTY;
+        for &s in alive_slots {
+            alive.insert(s);
+        }
+        let mut hits = vec![u32::MAX; MAX_SLOTS];
+        let mut off = vec![0; MAX_SLOTS];
+        scan_segment(&b, &hashes(n), 0, 50, true, &mut alive, &mut hits, &mut off);
+        off
+    }
+
+    #[test]
+    fn offloaded_blocks_counted_within_the_leading_run() {
+        // Slot 0: all 80 blocks, 0..40 offloaded only. Slot 1: blocks 0..10, then a miss,
+        // 20..30 offloaded (after its run: not counted). Slot 2: all, offloaded, but in
+        // flight there on 0..5 (being loaded: not offloaded-only).
+        let idx = |p: usize| {
+            let mut v = vec![0, 2];
+            if p < 10 || (20..30).contains(&p) {
+                v.push(1);
+            }
+            v
+        };
+        let off = |p: usize| {
+            let mut v = vec![2];
+            if p < 40 {
+                v.push(0);
+            }
+            if (20..30).contains(&p) {
+                v.push(1);
+            }
+            v
+        };
+        let bytes = tiered_bucket_bytes(80, 1, idx, off, |p| if p < 5 { vec![2] } else { vec![] });
+        for n in [80, 30] {
+            // 80 blocks: the sorted path; 30: the per-position path.
+            let o = run_offloaded(&bytes, n, &[0, 1, 2]);
+            assert_eq!((o[0], o[1], o[2]), (40.min(n as u32), 0, n as u32 - 5), "n = {n}");
+        }
     }
 
     #[test]

@@ -6,7 +6,9 @@
 //!
 //! `cache_hits(w)` is the number of *leading consecutive* request blocks `w` holds (an
 //! engine's prefix cache stops at the first miss); `active_blocks(w)` is the number of
-//! distinct in-flight prompt blocks on `w`. Lowest cost wins.
+//! distinct in-flight prompt blocks on `w`. Lowest cost wins. A hit `w` holds only in an
+//! offload tier (CPU memory, disk) counts `offload_hit_credit` (< 1) of a GPU hit: loading
+//! it back is cheaper than recomputing it, not free.
 //!
 //! Ties, in order: more cache hits (a tie between locality and load goes to locality,
 //! which is cheaper in prefill), then the lowest rendezvous hash of (request key, worker)
@@ -20,6 +22,8 @@ use xxhash_rust::xxh3::xxh3_64_with_seed;
 pub struct Candidate {
     pub slot: usize,
     pub cache_hits: u32,
+    /// Of `cache_hits`, the blocks held only in an offload tier.
+    pub offloaded_hits: u32,
     pub active_blocks: u32,
     /// Stable hash of the worker's id, for tie-breaking (see [`worker_key`]).
     pub worker_key: u64,
@@ -36,8 +40,22 @@ pub struct Scored {
 /// The seed's cost function.
 #[inline]
 pub fn cost(overlap_weight: f64, request_blocks: u32, cache_hits: u32, active_blocks: u32) -> f64 {
-    let miss = request_blocks.saturating_sub(cache_hits);
-    overlap_weight * f64::from(miss) + f64::from(active_blocks)
+    cost_of_hits(overlap_weight, request_blocks, f64::from(cache_hits), active_blocks)
+}
+
+/// [`cost`] with (possibly credited, so fractional) hits.
+#[inline]
+fn cost_of_hits(overlap_weight: f64, request_blocks: u32, hits: f64, active_blocks: u32) -> f64 {
+    overlap_weight * (f64::from(request_blocks) - hits).max(0.0) + f64::from(active_blocks)
+}
+
+impl Candidate {
+    /// Cache hits with offloaded ones credited at `offload_hit_credit`.
+    #[inline]
+    pub fn effective_hits(&self, offload_hit_credit: f64) -> f64 {
+        let off = self.offloaded_hits.min(self.cache_hits);
+        f64::from(self.cache_hits - off) + offload_hit_credit * f64::from(off)
+    }
 }
 
 /// Stable key of a worker id for tie-breaking.
@@ -52,6 +70,7 @@ pub fn worker_key(id: &str) -> u64 {
 pub fn rank(
     candidates: &[Candidate],
     overlap_weight: f64,
+    offload_hit_credit: f64,
     request_blocks: u32,
     request_key: u64,
     out: &mut Vec<Scored>,
@@ -59,13 +78,17 @@ pub fn rank(
     out.clear();
     out.extend(candidates.iter().map(|c| Scored {
         candidate: *c,
-        cost: cost(overlap_weight, request_blocks, c.cache_hits, c.active_blocks),
+        cost: cost_of_hits(overlap_weight, request_blocks, c.effective_hits(offload_hit_credit), c.active_blocks),
         tiebreak: crate::hash::chain_hash(request_key, c.worker_key),
     }));
     out.sort_by(|a, b| {
         a.cost
             .total_cmp(&b.cost)
-            .then(b.candidate.cache_hits.cmp(&a.candidate.cache_hits))
+            .then(
+                b.candidate
+                    .effective_hits(offload_hit_credit)
+                    .total_cmp(&a.candidate.effective_hits(offload_hit_credit)),
+            )
             .then(a.tiebreak.cmp(&b.tiebreak))
             .then(a.candidate.slot.cmp(&b.candidate.slot))
     });
@@ -78,7 +101,13 @@ mod tests {
     use wasm_bindgen_test::wasm_bindgen_test as test;
 
     fn cand(slot: usize, hits: u32, active: u32) -> Candidate {
-        Candidate { slot, cache_hits: hits, active_blocks: active, worker_key: worker_key(&slot.to_string()) }
+        Candidate {
+            slot,
+            cache_hits: hits,
+            offloaded_hits: 0,
+            active_blocks: active,
+            worker_key: worker_key(&slot.to_string()),
+        }
     }
 
     /// The seed's worked example: a 10-block prompt, weight 1.0.
@@ -89,33 +118,51 @@ mod tests {
         assert_eq!(cost(1.0, 10, 8, 6), 8.0);
         assert_eq!(cost(1.0, 10, 0, 1), 11.0);
         let mut out = Vec::new();
-        rank(&[w1, w0], 1.0, 10, 0, &mut out);
+        rank(&[w1, w0], 1.0, 0.5, 10, 0, &mut out);
         assert_eq!(out[0].candidate.slot, 0);
         assert_eq!((out[0].cost, out[1].cost), (8.0, 11.0));
         // Raise the weight and W0 wins by more.
-        rank(&[w1, w0], 2.0, 10, 0, &mut out);
+        rank(&[w1, w0], 2.0, 0.5, 10, 0, &mut out);
         assert_eq!((out[0].cost, out[1].cost), (10.0, 21.0));
         // At 0 only active_blocks counts: W1 (1) beats W0 (6).
-        rank(&[w1, w0], 0.0, 10, 0, &mut out);
+        rank(&[w1, w0], 0.0, 0.5, 10, 0, &mut out);
         assert_eq!(out[0].candidate.slot, 1);
         assert_eq!((out[0].cost, out[1].cost), (1.0, 6.0));
+    }
+
+    #[test]
+    fn offloaded_hits_count_at_their_credit() {
+        // W0: 8 hits, 6 of them offloaded; W1: 5 GPU hits, 10-block prompt, no load.
+        // Credit 0.75: W0 has 2 + 4.5 = 6.5 effective hits, cost 3.5, and wins. Credit 0.25:
+        // 2 + 1.5 = 3.5 hits, cost 6.5: W1 (cost 5) wins.
+        let mut w0 = cand(0, 8, 0);
+        w0.offloaded_hits = 6;
+        let w1 = cand(1, 5, 0);
+        let mut out = Vec::new();
+        rank(&[w1, w0], 1.0, 0.75, 10, 0, &mut out);
+        assert_eq!((out[0].candidate.slot, out[0].cost, out[1].cost), (0, 3.5, 5.0));
+        rank(&[w1, w0], 1.0, 0.25, 10, 0, &mut out);
+        assert_eq!((out[0].candidate.slot, out[0].cost, out[1].cost), (1, 5.0, 6.5));
+        // Credit 1 is the seed's plain count.
+        rank(&[w1, w0], 1.0, 1.0, 10, 0, &mut out);
+        assert_eq!(out[0].cost, cost(1.0, 10, 8, 0));
     }
 
     #[test]
     fn ties_prefer_hits_then_are_stable_and_spread() {
         // Equal cost: 1×(10−4)+2 = 8 = 1×(10−2)+0; the one with more hits wins.
         let mut out = Vec::new();
-        rank(&[cand(0, 2, 0), cand(1, 4, 2)], 1.0, 10, 0, &mut out);
+        rank(&[cand(0, 2, 0), cand(1, 4, 2)], 1.0, 0.5, 10, 0, &mut out);
         assert_eq!(out[0].candidate.slot, 1);
         // Fully equal: the winner depends only on the request key, and varies with it.
         let all: Vec<_> = (0..8).map(|s| cand(s, 0, 0)).collect();
         let mut winners = std::collections::BTreeSet::new();
         for key in 0..200u64 {
-            rank(&all, 1.0, 10, key, &mut out);
+            rank(&all, 1.0, 0.5, 10, key, &mut out);
             let first = out[0].candidate.slot;
             let mut rev = all.clone();
             rev.reverse();
-            rank(&rev, 1.0, 10, key, &mut out);
+            rank(&rev, 1.0, 0.5, 10, key, &mut out);
             assert_eq!(out[0].candidate.slot, first, "order of candidates must not matter");
             winners.insert(first);
         }

@@ -89,7 +89,11 @@ fn main() {
     let heap: usize = f.workers.iter().map(|w| w.cache.heap_bytes()).sum();
     assert_eq!(held, blocks, "every stored block is held");
 
-    println!("form {form}: {} batches, {blocks} blocks, {:.1} payload bytes/block", payloads.len(), payload_bytes as f64 / blocks as f64);
+    println!(
+        "form {form}: {} batches, {blocks} blocks, {:.1} payload bytes/block",
+        payloads.len(),
+        payload_bytes as f64 / blocks as f64
+    );
     println!("decode only:          {:>10.0} blocks/s", blocks as f64 / decode_s);
     println!("decode + index:       {:>10.0} blocks/s  (target >= 1,000,000)", blocks as f64 / best);
     println!("index memory:         {:>10.1} bytes per (worker, block)  (target <= 100)", heap as f64 / held as f64);

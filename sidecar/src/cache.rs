@@ -25,7 +25,10 @@ pub const MAX_GROUPS: u32 = 16;
 /// A change to the worker's published block set.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Change {
+    /// Now held, with a copy in GPU memory.
     Store(FeedBlock),
+    /// Now held only in an offload tier (newly, or its last GPU copy went).
+    StoreOffloaded(FeedBlock),
     Remove(FeedBlock),
 }
 
@@ -152,10 +155,7 @@ const GPU_BITS: u32 = 0x5555_5555;
 
 impl WorkerCache {
     pub fn new(dp_ranks: usize) -> Self {
-        WorkerCache {
-            ranks: (0..dp_ranks.max(1)).map(|_| HashMap::new()).collect(),
-            ..WorkerCache::default()
-        }
+        WorkerCache { ranks: (0..dp_ranks.max(1)).map(|_| HashMap::new()).collect(), ..WorkerCache::default() }
     }
 
     /// Distinct blocks the worker holds (any tier).
@@ -168,9 +168,9 @@ impl WorkerCache {
         self.blocks.values().filter(|b| b.gpu_holders == 0).count()
     }
 
-    /// Every block held, as the feed names it.
-    pub fn feed_blocks(&self) -> impl Iterator<Item = FeedBlock> + '_ {
-        self.blocks.iter().map(|(h, b)| FeedBlock { hash: *h, anchor: b.anchor })
+    /// Every block held, as the feed names it, and whether it is held only offloaded.
+    pub fn feed_blocks(&self) -> impl Iterator<Item = (FeedBlock, bool)> + '_ {
+        self.blocks.iter().map(|(h, b)| (FeedBlock { hash: *h, anchor: b.anchor }, b.gpu_holders == 0))
     }
 
     pub fn apply_stored(
@@ -241,9 +241,7 @@ impl WorkerCache {
                     set_copies(engine, engine_hash, e, e.copies | bit);
                     if gpu && e.copies & GPU_BITS == 0 {
                         for (h, _, _) in routers.iter() {
-                            if let Some(b) = self.blocks.get_mut(h) {
-                                b.gpu_holders = b.gpu_holders.saturating_add(1);
-                            }
+                            gpu_gained(&mut self.blocks, *h, out);
                         }
                     }
                     continue;
@@ -258,12 +256,17 @@ impl WorkerCache {
             }
             for (j, &(hash, anchor, pos)) in routers.iter().enumerate() {
                 let b = self.blocks.entry(hash).or_insert_with(|| {
-                    out.push(Change::Store(FeedBlock { hash, anchor }));
+                    let block = FeedBlock { hash, anchor };
+                    out.push(if gpu { Change::Store(block) } else { Change::StoreOffloaded(block) });
                     RouterBlock { anchor, pos, holders: 0, gpu_holders: 0 }
                 });
                 b.holders = b.holders.saturating_add(1);
                 if gpu {
                     b.gpu_holders = b.gpu_holders.saturating_add(1);
+                    if b.gpu_holders == 1 && b.holders > 1 {
+                        out.push(Change::Store(FeedBlock { hash, anchor: b.anchor }));
+                        // back on a GPU
+                    }
                 }
                 let (key, entry_span) =
                     if j + 1 == routers.len() { (engine_hash, span) } else { (part_key(engine_hash, j as u32), 0) };
@@ -296,9 +299,7 @@ impl WorkerCache {
                 set_copies(engine, h, e, copies);
                 if had_gpu && copies & GPU_BITS == 0 {
                     for r in routers_of(engine, h, e) {
-                        if let Some(b) = self.blocks.get_mut(&r) {
-                            b.gpu_holders = b.gpu_holders.saturating_sub(1);
-                        }
+                        gpu_lost(&mut self.blocks, r, out);
                     }
                 }
             }
@@ -382,16 +383,35 @@ fn namespace_of(ev: &BlockStored) -> Result<u64, Outcome> {
 
 /// Drops one engine block's hold on its router blocks; `gpu`: it held a GPU copy.
 fn release(blocks: &mut HashMap<u64, RouterBlock>, routers: &[u64], gpu: bool, out: &mut Vec<Change>) {
-    for h in routers {
-        let Some(b) = blocks.get_mut(h) else { continue };
+    for &h in routers {
+        let Some(b) = blocks.get_mut(&h) else { continue };
         b.holders = b.holders.saturating_sub(1);
-        if gpu {
-            b.gpu_holders = b.gpu_holders.saturating_sub(1);
-        }
         if b.holders == 0 {
             let anchor = b.anchor;
-            blocks.remove(h);
-            out.push(Change::Remove(FeedBlock { hash: *h, anchor }));
+            blocks.remove(&h);
+            out.push(Change::Remove(FeedBlock { hash: h, anchor }));
+        } else if gpu {
+            gpu_lost(blocks, h, out);
+        }
+    }
+}
+
+/// One more holder has router block `h` in GPU memory.
+fn gpu_gained(blocks: &mut HashMap<u64, RouterBlock>, h: u64, out: &mut Vec<Change>) {
+    if let Some(b) = blocks.get_mut(&h) {
+        b.gpu_holders = b.gpu_holders.saturating_add(1);
+        if b.gpu_holders == 1 {
+            out.push(Change::Store(FeedBlock { hash: h, anchor: b.anchor }));
+        }
+    }
+}
+
+/// One holder less has router block `h` in GPU memory (it keeps a copy elsewhere).
+fn gpu_lost(blocks: &mut HashMap<u64, RouterBlock>, h: u64, out: &mut Vec<Change>) {
+    if let Some(b) = blocks.get_mut(&h) {
+        b.gpu_holders = b.gpu_holders.saturating_sub(1);
+        if b.gpu_holders == 0 && b.holders > 0 {
+            out.push(Change::StoreOffloaded(FeedBlock { hash: h, anchor: b.anchor }));
         }
     }
 }
@@ -460,7 +480,7 @@ mod tests {
             Outcome::Applied
         );
         assert_eq!(c.block_count(), 12);
-        let mut got: Vec<FeedBlock> = c.feed_blocks().collect();
+        let mut got: Vec<FeedBlock> = c.feed_blocks().map(|b| b.0).collect();
         let mut w = want.clone();
         got.sort_by_key(|b| b.hash);
         w.sort_by_key(|b| b.hash);
@@ -562,7 +582,7 @@ mod tests {
         assert_eq!(c.apply_stored(0, &child, 16, &mut out), Outcome::Applied);
         let ns = namespace(Some(b"sql"), Some(b"tenant-42"));
         let mut want = FeedBlock::chain_in(&tokens, 16, ns);
-        let mut got: Vec<FeedBlock> = c.feed_blocks().collect();
+        let mut got: Vec<FeedBlock> = c.feed_blocks().map(|b| b.0).collect();
         want.sort_by_key(|b| b.hash);
         got.sort_by_key(|b| b.hash);
         assert_eq!(got, want);

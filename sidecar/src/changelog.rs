@@ -8,8 +8,18 @@ use std::collections::VecDeque;
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Entry {
     Store(Vec<FeedBlock>),
+    StoreOffloaded(Vec<FeedBlock>),
     Remove(Vec<FeedBlock>),
     Clear,
+}
+
+impl Entry {
+    fn blocks(&self) -> usize {
+        match self {
+            Entry::Store(b) | Entry::StoreOffloaded(b) | Entry::Remove(b) => b.len(),
+            Entry::Clear => 1,
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -45,6 +55,10 @@ impl ChangeLog {
         self.push(version, worker, Entry::Store(blocks));
     }
 
+    pub fn store_offloaded(&mut self, version: u64, worker: u32, blocks: Vec<FeedBlock>) {
+        self.push(version, worker, Entry::StoreOffloaded(blocks));
+    }
+
     pub fn remove(&mut self, version: u64, worker: u32, blocks: Vec<FeedBlock>) {
         self.push(version, worker, Entry::Remove(blocks));
     }
@@ -54,10 +68,7 @@ impl ChangeLog {
     }
 
     fn push(&mut self, version: u64, worker: u32, entry: Entry) {
-        let n = match &entry {
-            Entry::Store(b) | Entry::Remove(b) => b.len(),
-            Entry::Clear => 1,
-        };
+        let n = entry.blocks();
         if n == 0 {
             return;
         }
@@ -75,10 +86,7 @@ impl ChangeLog {
             }
             while self.entries.front().is_some_and(|e| e.version == oldest) {
                 if let Some(e) = self.entries.pop_front() {
-                    self.blocks -= match &e.entry {
-                        Entry::Store(b) | Entry::Remove(b) => b.len(),
-                        Entry::Clear => 1,
-                    };
+                    self.blocks -= e.entry.blocks();
                 }
             }
             self.floor = oldest;
@@ -87,26 +95,58 @@ impl ChangeLog {
 
     /// The ops taking a client from `since` to the newest version, merged where consecutive
     /// entries are the same kind for the same worker. `None` if `since` is below the floor.
-    pub fn delta(&self, since: u64) -> Option<Vec<Op>> {
+    /// Without `tiers` (a client that did not ask for them), offloaded blocks are plain
+    /// stores.
+    pub fn delta(&self, since: u64, tiers: bool) -> Option<Vec<Op>> {
         if since < self.floor {
             return None;
         }
         let start = self.entries.partition_point(|e| e.version <= since);
         let mut ops: Vec<Op> = Vec::new();
         for e in self.entries.range(start..) {
-            match (&e.entry, ops.last_mut()) {
-                (Entry::Store(b), Some(Op::Store { worker, blocks })) if *worker == e.worker => {
-                    blocks.extend_from_slice(b)
+            let (kind, blocks) = match &e.entry {
+                Entry::Clear => {
+                    ops.push(Op::Clear { worker: e.worker });
+                    continue;
                 }
-                (Entry::Remove(b), Some(Op::Remove { worker, blocks })) if *worker == e.worker => {
-                    blocks.extend_from_slice(b)
-                }
-                (Entry::Store(b), _) => ops.push(Op::Store { worker: e.worker, blocks: b.clone() }),
-                (Entry::Remove(b), _) => ops.push(Op::Remove { worker: e.worker, blocks: b.clone() }),
-                (Entry::Clear, _) => ops.push(Op::Clear { worker: e.worker }),
+                Entry::Store(b) => (RunKind::Store, b),
+                Entry::StoreOffloaded(b) if tiers => (RunKind::StoreOffloaded, b),
+                Entry::StoreOffloaded(b) => (RunKind::Store, b),
+                Entry::Remove(b) => (RunKind::Remove, b),
+            };
+            match ops.last_mut().and_then(run_of) {
+                Some((worker, k, run)) if worker == e.worker && k == kind => run.extend_from_slice(blocks),
+                _ => ops.push(kind.op(e.worker, blocks.clone())),
             }
         }
         Some(ops)
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum RunKind {
+    Store,
+    StoreOffloaded,
+    Remove,
+}
+
+impl RunKind {
+    fn op(self, worker: u32, blocks: Vec<FeedBlock>) -> Op {
+        match self {
+            RunKind::Store => Op::Store { worker, blocks },
+            RunKind::StoreOffloaded => Op::StoreOffloaded { worker, blocks },
+            RunKind::Remove => Op::Remove { worker, blocks },
+        }
+    }
+}
+
+/// An op's worker, kind and blocks, if it carries blocks.
+fn run_of(op: &mut Op) -> Option<(u32, RunKind, &mut Vec<FeedBlock>)> {
+    match op {
+        Op::Store { worker, blocks } => Some((*worker, RunKind::Store, blocks)),
+        Op::StoreOffloaded { worker, blocks } => Some((*worker, RunKind::StoreOffloaded, blocks)),
+        Op::Remove { worker, blocks } => Some((*worker, RunKind::Remove, blocks)),
+        Op::Clear { .. } => None,
     }
 }
 
@@ -127,7 +167,7 @@ mod tests {
         log.remove(3, 1, vec![b(3)]);
         log.clear(4, 0);
         assert_eq!(
-            log.delta(1).unwrap(),
+            log.delta(1, true).unwrap(),
             vec![
                 Op::Store { worker: 0, blocks: vec![b(2)] },
                 Op::Store { worker: 1, blocks: vec![b(3)] },
@@ -135,8 +175,20 @@ mod tests {
                 Op::Clear { worker: 0 },
             ]
         );
-        assert_eq!(log.delta(0).unwrap()[0], Op::Store { worker: 0, blocks: vec![b(1), b(2)] });
-        assert!(log.delta(4).unwrap().is_empty());
+        assert_eq!(log.delta(0, true).unwrap()[0], Op::Store { worker: 0, blocks: vec![b(1), b(2)] });
+        assert!(log.delta(4, true).unwrap().is_empty());
+    }
+
+    #[test]
+    fn offloaded_stores_are_plain_stores_for_clients_without_tiers() {
+        let mut log = ChangeLog::new(100);
+        log.store(1, 0, vec![b(1)]);
+        log.store_offloaded(1, 0, vec![b(2)]);
+        assert_eq!(
+            log.delta(0, true).unwrap(),
+            vec![Op::Store { worker: 0, blocks: vec![b(1)] }, Op::StoreOffloaded { worker: 0, blocks: vec![b(2)] }]
+        );
+        assert_eq!(log.delta(0, false).unwrap(), vec![Op::Store { worker: 0, blocks: vec![b(1), b(2)] }]);
     }
 
     #[test]
@@ -147,11 +199,11 @@ mod tests {
         assert_eq!(log.floor(), 0);
         log.store(3, 0, vec![b(4)]);
         assert_eq!(log.floor(), 1);
-        assert!(log.delta(0).is_none());
-        assert_eq!(log.delta(1).unwrap(), vec![Op::Store { worker: 0, blocks: vec![b(3), b(4)] }]);
+        assert!(log.delta(0, true).is_none());
+        assert_eq!(log.delta(1, true).unwrap(), vec![Op::Store { worker: 0, blocks: vec![b(3), b(4)] }]);
         // A single version larger than the bound is kept whole.
         log.store(4, 0, (10..20).map(b).collect());
         assert_eq!(log.floor(), 3);
-        assert_eq!(log.delta(3).unwrap().len(), 1);
+        assert_eq!(log.delta(3, true).unwrap().len(), 1);
     }
 }

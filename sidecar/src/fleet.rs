@@ -80,6 +80,7 @@ pub struct WorkerState {
 /// A snapshot cut at one version, kept so its later pages show that same version.
 struct Snapshot {
     version: u64,
+    tiers: bool,
     pages: Vec<Bytes>,
 }
 
@@ -237,33 +238,29 @@ impl Fleet {
         }
     }
 
+    /// Logs `changes` (drained) as runs of one kind.
     fn log_changes(log: &mut ChangeLog, version: u64, w: usize, changes: &mut Vec<Change>) -> bool {
         if changes.is_empty() {
             return false;
         }
+        let flush = |log: &mut ChangeLog, kind: &Change, run: Vec<FeedBlock>| match kind {
+            Change::Store(_) => log.store(version, w as u32, run),
+            Change::StoreOffloaded(_) => log.store_offloaded(version, w as u32, run),
+            Change::Remove(_) => log.remove(version, w as u32, run),
+        };
         let mut run: Vec<FeedBlock> = Vec::new();
-        let mut storing = true;
+        let mut kind = changes[0];
         for c in changes.drain(..) {
-            let (is_store, b) = match c {
-                Change::Store(b) => (true, b),
-                Change::Remove(b) => (false, b),
+            let b = match c {
+                Change::Store(b) | Change::StoreOffloaded(b) | Change::Remove(b) => b,
             };
-            if is_store != storing && !run.is_empty() {
-                let blocks = std::mem::take(&mut run);
-                if storing {
-                    log.store(version, w as u32, blocks)
-                } else {
-                    log.remove(version, w as u32, blocks)
-                }
+            if std::mem::discriminant(&c) != std::mem::discriminant(&kind) {
+                flush(log, &kind, std::mem::take(&mut run));
+                kind = c;
             }
-            storing = is_store;
             run.push(b);
         }
-        if storing {
-            log.store(version, w as u32, run)
-        } else {
-            log.remove(version, w as u32, run)
-        }
+        flush(log, &kind, run);
         true
     }
 
@@ -276,12 +273,13 @@ impl Fleet {
         self.workers.iter().map(|w| FeedWorker { id: w.config.id.clone(), role: w.config.role, up: w.up }).collect()
     }
 
-    /// Answers a poll (`docs/feed-protocol.md`, "Response").
-    pub fn feed(&mut self, epoch: u64, since: u64, cursor: u64, may_wait: bool) -> FeedReply {
+    /// Answers a poll (`docs/feed-protocol.md`, "Response"). `tiers`: the client takes
+    /// `STORE_OFFLOADED` ops.
+    pub fn feed(&mut self, epoch: u64, since: u64, cursor: u64, tiers: bool, may_wait: bool) -> FeedReply {
         self.stats.feed_lag_versions = self.version.saturating_sub(since);
         let fresh = epoch != self.epoch || epoch == 0 || since > self.version;
         if !fresh && cursor != 0 {
-            if let Some(s) = self.snapshot.as_ref().filter(|s| s.version == since) {
+            if let Some(s) = self.snapshot.as_ref().filter(|s| s.version == since && s.tiers == tiers) {
                 if let Some(page) = usize::try_from(cursor).ok().and_then(|c| s.pages.get(c)) {
                     self.stats.feed_frames[2] += 1;
                     return FeedReply::Frame(page.clone());
@@ -292,7 +290,7 @@ impl Fleet {
             if since == self.version && may_wait {
                 return FeedReply::Wait;
             }
-            if let Some(ops) = self.log.delta(since) {
+            if let Some(ops) = self.log.delta(since, tiers) {
                 self.stats.feed_frames[0] += 1;
                 let frame = Frame {
                     kind: FrameKind::Delta,
@@ -308,8 +306,8 @@ impl Fleet {
             }
         }
         self.stats.feed_frames[1] += 1;
-        if self.snapshot.as_ref().is_none_or(|s| s.version != self.version) {
-            self.snapshot = Some(Snapshot { version: self.version, pages: self.snapshot_pages() });
+        if self.snapshot.as_ref().is_none_or(|s| s.version != self.version || s.tiers != tiers) {
+            self.snapshot = Some(Snapshot { version: self.version, tiers, pages: self.snapshot_pages(tiers) });
         }
         match self.snapshot.as_ref().and_then(|s| s.pages.first()) {
             Some(p) => FeedReply::Frame(p.clone()),
@@ -318,24 +316,36 @@ impl Fleet {
     }
 
     /// Every block of every worker at the current version, cut into pages.
-    fn snapshot_pages(&self) -> Vec<Bytes> {
+    fn snapshot_pages(&self, tiers: bool) -> Vec<Bytes> {
         let mut pages: Vec<Vec<Op>> = vec![Vec::new()];
         let mut in_page = 0usize;
+        // Per worker, a run of stores, then (for clients that take tiers) one of blocks held
+        // only offloaded.
+        let classes: &[Option<bool>] = if tiers { &[Some(false), Some(true)] } else { &[None] };
         for (i, w) in self.workers.iter().enumerate() {
-            let mut blocks = Vec::new();
-            for b in w.cache.feed_blocks() {
-                if in_page == self.page_blocks {
-                    if let (Some(p), false) = (pages.last_mut(), blocks.is_empty()) {
-                        p.push(Op::Store { worker: i as u32, blocks: std::mem::take(&mut blocks) });
+            for &class in classes {
+                let make = |blocks| match class {
+                    Some(true) => Op::StoreOffloaded { worker: i as u32, blocks },
+                    _ => Op::Store { worker: i as u32, blocks },
+                };
+                let mut blocks = Vec::new();
+                for (b, offloaded) in w.cache.feed_blocks() {
+                    if class.is_some_and(|c| c != offloaded) {
+                        continue;
                     }
-                    pages.push(Vec::new());
-                    in_page = 0;
+                    if in_page == self.page_blocks {
+                        if let (Some(p), false) = (pages.last_mut(), blocks.is_empty()) {
+                            p.push(make(std::mem::take(&mut blocks)));
+                        }
+                        pages.push(Vec::new());
+                        in_page = 0;
+                    }
+                    blocks.push(b);
+                    in_page += 1;
                 }
-                blocks.push(b);
-                in_page += 1;
-            }
-            if let (Some(p), false) = (pages.last_mut(), blocks.is_empty()) {
-                p.push(Op::Store { worker: i as u32, blocks });
+                if let (Some(p), false) = (pages.last_mut(), blocks.is_empty()) {
+                    p.push(make(blocks));
+                }
             }
         }
         let workers = self.feed_workers();
@@ -459,11 +469,11 @@ mod tests {
         let mut f = fleet(1000);
         let now = Instant::now();
         f.apply_batch(0, 0, 0, &batch(vec![stored(&[1, 2], None, 0)]), now, 0.0);
-        let s = frame(f.feed(0, 0, 0, true));
+        let s = frame(f.feed(0, 0, 0, true, true));
         assert_eq!((s.kind, s.to_version, s.epoch), (FrameKind::SnapshotStart, 1, 42));
         assert_eq!(s.ops.len(), 1);
-        assert!(matches!(f.feed(42, 1, 0, true), FeedReply::Wait));
-        let empty = frame(f.feed(42, 1, 0, false));
+        assert!(matches!(f.feed(42, 1, 0, true, true), FeedReply::Wait));
+        let empty = frame(f.feed(42, 1, 0, true, false));
         assert_eq!((empty.kind, empty.from_version, empty.to_version, empty.ops.len()), (FrameKind::Delta, 1, 1, 0));
         f.apply_batch(
             1,
@@ -477,13 +487,13 @@ mod tests {
             0.0,
         );
         // the removal of engine hash 2 on worker 1 is not held there: no change, counted
-        let d = frame(f.feed(42, 1, 0, true));
+        let d = frame(f.feed(42, 1, 0, true, true));
         assert_eq!((d.from_version, d.to_version), (1, 2));
         assert!(matches!(&d.ops[..], [Op::Store { worker: 1, blocks }] if blocks.len() == 1));
         assert_eq!(f.stats.events[1][Outcome::ALL.iter().position(|o| *o == Outcome::NotHeld).unwrap()], 1);
         // a stale epoch or a version from the future gets a snapshot
-        assert_eq!(frame(f.feed(41, 1, 0, true)).kind, FrameKind::SnapshotStart);
-        assert_eq!(frame(f.feed(42, 99, 0, true)).kind, FrameKind::SnapshotStart);
+        assert_eq!(frame(f.feed(41, 1, 0, true, true)).kind, FrameKind::SnapshotStart);
+        assert_eq!(frame(f.feed(42, 99, 0, true, true)).kind, FrameKind::SnapshotStart);
     }
 
     #[test]
@@ -492,11 +502,11 @@ mod tests {
         let now = Instant::now();
         f.apply_batch(0, 0, 0, &batch(vec![stored(&[1, 2, 3, 4], None, 0)]), now, 0.0);
         f.apply_batch(1, 0, 0, &batch(vec![stored(&[5, 6], None, 500)]), now, 0.0);
-        let p0 = frame(f.feed(0, 0, 0, true));
+        let p0 = frame(f.feed(0, 0, 0, true, true));
         assert_eq!((p0.kind, p0.to_version, p0.next_cursor), (FrameKind::SnapshotStart, 2, 1));
         // a change between pages does not leak into the snapshot's later pages
         f.apply_batch(1, 0, 1, &batch(vec![stored(&[7], Some(6), 532)]), now, 0.0);
-        let p1 = frame(f.feed(p0.epoch, 2, 1, true));
+        let p1 = frame(f.feed(p0.epoch, 2, 1, true, true));
         assert_eq!((p1.kind, p1.to_version, p1.next_cursor), (FrameKind::SnapshotMore, 2, 0));
         let total: usize = [&p0, &p1]
             .iter()
@@ -505,8 +515,35 @@ mod tests {
             .sum();
         assert_eq!(total, 6);
         // then the delta since the snapshot has the new block
-        let d = frame(f.feed(p0.epoch, 2, 0, true));
+        let d = frame(f.feed(p0.epoch, 2, 0, true, true));
         assert_eq!((d.kind, d.to_version), (FrameKind::Delta, 3));
+    }
+
+    #[test]
+    fn tiers_reach_only_clients_that_ask() {
+        let mut f = fleet(1000);
+        let now = Instant::now();
+        let Event::Stored(mut s) = stored(&[1, 2], None, 0) else { unreachable!() };
+        s.medium = Medium::Offloaded;
+        f.apply_batch(0, 0, 0, &batch(vec![stored(&[1, 2], None, 0), Event::Stored(s)]), now, 0.0);
+        f.apply_batch(
+            0,
+            0,
+            1,
+            &batch(vec![Event::Removed(BlockRemoved { block_hashes: vec![2], medium: Medium::Gpu, group_idx: 0 })]),
+            now,
+            0.0,
+        );
+        // Block 1 on the GPU; block 2 only in CPU memory now.
+        let snap = frame(f.feed(0, 0, 0, true, true));
+        assert!(matches!(&snap.ops[..], [Op::Store { blocks: g, .. }, Op::StoreOffloaded { blocks: o, .. }]
+            if g.len() == 1 && o.len() == 1));
+        let old_client = frame(f.feed(0, 0, 0, false, true));
+        assert!(matches!(&old_client.ops[..], [Op::Store { blocks, .. }] if blocks.len() == 2));
+        let d = frame(f.feed(42, 1, 0, true, true));
+        assert!(matches!(&d.ops[..], [Op::StoreOffloaded { blocks, .. }] if blocks.len() == 1));
+        let d = frame(f.feed(42, 1, 0, false, true));
+        assert!(matches!(&d.ops[..], [Op::Store { blocks, .. }] if blocks.len() == 1));
     }
 
     #[test]
@@ -516,10 +553,10 @@ mod tests {
         f.apply_batch(0, 0, 0, &batch(vec![stored(&[1], None, 0)]), now, 0.0);
         f.reset_rank(0, 0, ResetReason::PublisherRestart);
         assert_eq!(f.version(), 2);
-        let d = frame(f.feed(42, 1, 0, true));
+        let d = frame(f.feed(42, 1, 0, true, true));
         assert_eq!(d.ops, vec![Op::Clear { worker: 0 }]);
         f.set_up(1, false);
-        let d = frame(f.feed(42, 2, 0, true));
+        let d = frame(f.feed(42, 2, 0, true, true));
         assert!(d.ops.is_empty() && !d.workers[1].up);
         // clearing an empty worker is not a change
         f.reset_rank(0, 0, ResetReason::GapNotReplayed);

@@ -75,11 +75,13 @@ struct Poll {
     since: u64,
     cursor: u64,
     timeout: Duration,
+    /// `tiers=1`: the client takes `STORE_OFFLOADED` ops.
+    tiers: bool,
 }
 
 fn parse_poll(query: &str) -> Result<Poll, String> {
-    let mut vals = [None; 4];
-    const NAMES: [&str; 4] = ["epoch", "since", "cursor", "timeout_ms"];
+    let mut vals = [None; 5];
+    const NAMES: [&str; 5] = ["epoch", "since", "cursor", "timeout_ms", "tiers"];
     for pair in query.split('&').filter(|p| !p.is_empty()) {
         let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
         if let Some(i) = NAMES.iter().position(|n| *n == k) {
@@ -87,7 +89,13 @@ fn parse_poll(query: &str) -> Result<Poll, String> {
         }
     }
     let get = |i: usize| vals[i].ok_or_else(|| format!("missing `{}`", NAMES[i]));
-    Ok(Poll { epoch: get(0)?, since: get(1)?, cursor: get(2)?, timeout: Duration::from_millis(get(3)?) })
+    Ok(Poll {
+        epoch: get(0)?,
+        since: get(1)?,
+        cursor: get(2)?,
+        timeout: Duration::from_millis(get(3)?),
+        tiers: vals[4].unwrap_or(0) == 1,
+    })
 }
 
 async fn feed(app: &App, query: &str) -> Resp {
@@ -102,7 +110,7 @@ async fn feed(app: &App, query: &str) -> Resp {
         let mut fleet = app.fleet();
         // Subscribed before asking, so a change right after the answer still wakes us.
         let rx = fleet.subscribe();
-        match fleet.feed(poll.epoch, poll.since, poll.cursor, true) {
+        match fleet.feed(poll.epoch, poll.since, poll.cursor, poll.tiers, true) {
             FeedReply::Frame(b) => return respond(StatusCode::OK, FEED_CONTENT_TYPE, b),
             FeedReply::Wait => {
                 fleet.stats.feed_waiting += 1;
@@ -113,7 +121,7 @@ async fn feed(app: &App, query: &str) -> Resp {
     let _ = tokio::time::timeout(poll.timeout.min(MAX_HOLD), changed.changed()).await;
     let mut fleet = app.fleet();
     fleet.stats.feed_waiting = fleet.stats.feed_waiting.saturating_sub(1);
-    match fleet.feed(poll.epoch, poll.since, poll.cursor, false) {
+    match fleet.feed(poll.epoch, poll.since, poll.cursor, poll.tiers, false) {
         FeedReply::Frame(b) => respond(StatusCode::OK, FEED_CONTENT_TYPE, b),
         FeedReply::Wait => error(StatusCode::INTERNAL_SERVER_ERROR, "feed did not answer"),
     }
@@ -146,7 +154,8 @@ mod tests {
     #[test]
     fn poll_parameters_are_all_required_and_numeric() {
         let p = parse_poll("epoch=1&since=2&cursor=0&timeout_ms=500").unwrap();
-        assert_eq!((p.epoch, p.since, p.cursor, p.timeout), (1, 2, 0, Duration::from_millis(500)));
+        assert_eq!((p.epoch, p.since, p.cursor, p.timeout, p.tiers), (1, 2, 0, Duration::from_millis(500), false));
+        assert!(parse_poll("epoch=1&since=2&cursor=0&timeout_ms=5&tiers=1").unwrap().tiers);
         assert!(parse_poll("epoch=1&since=2&cursor=0").unwrap_err().contains("timeout_ms"));
         assert!(parse_poll("epoch=x&since=2&cursor=0&timeout_ms=1").unwrap_err().contains("epoch"));
         assert!(parse_poll("epoch=-1&since=2&cursor=0&timeout_ms=1").is_err());

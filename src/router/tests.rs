@@ -101,6 +101,29 @@ fn a_namespace_only_matches_its_own_blocks() {
 }
 
 #[test]
+fn offloaded_hits_are_credited() {
+    // W1 holds all 10 blocks, but only in CPU memory; W2 holds the first 7 on its GPU.
+    let p = prompt(1, 160);
+    let (store, _) = fleet(
+        3,
+        vec![
+            Op::StoreOffloaded { worker: 1, blocks: feed_blocks(&p) },
+            Op::Store { worker: 2, blocks: feed_blocks(&p[..112]) },
+        ],
+    );
+    // Credit 0.5: W1 = 5 effective hits (cost 5), W2 = 7 (cost 3): W2.
+    let mut r = Router::new(cfg(r#"{"predict_on_route": false}"#));
+    let d = route(&mut r, &store, &p, 0);
+    assert_eq!((d.destinations[0].as_str(), d.hits, d.offloaded_hits), ("10.0.0.2:8000", 7, 0));
+    r.release(&store, &d.held, 1);
+    // Credit 0.9: W1 = 9 (cost 1): W1, and the debug header says how many were offloaded.
+    let mut r = Router::new(cfg(r#"{"predict_on_route": false, "offload_hit_credit": 0.9}"#));
+    let d = route(&mut r, &store, &p, 0);
+    assert_eq!((d.destinations[0].as_str(), d.hits, d.offloaded_hits), ("10.0.0.1:8000", 10, 10));
+    assert!(d.debug_value().contains(";offloaded=10"));
+}
+
+#[test]
 fn seed_worked_example_through_the_store() {
     // W0 caches 8 of the 10 blocks and has 6 active; W1 is cold with 1 active. W0: 8, W1: 11.
     let p = prompt(1, 160);

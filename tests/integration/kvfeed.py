@@ -18,7 +18,7 @@ SEGMENT_BASE_BLOCKS = 32
 MAGIC = b"KVRF"
 VERSION = 1
 DELTA, SNAPSHOT_START, SNAPSHOT_MORE = 0, 1, 2
-OP_STORE, OP_REMOVE, OP_CLEAR = 1, 2, 3
+OP_STORE, OP_REMOVE, OP_CLEAR, OP_STORE_OFFLOADED = 1, 2, 3, 4
 ROLES = {"both": 0, "prefill": 1, "decode": 2}
 
 
@@ -68,7 +68,7 @@ def encode_frame(kind, epoch, from_version, to_version, block_size, workers, ops
         out += struct.pack("<B", len(raw)) + raw + struct.pack("<BB", ROLES[role], 0 if up else 1)
     for code, worker, blocks in ops:
         out += struct.pack("<BI", code, worker)
-        if code in (OP_STORE, OP_REMOVE):
+        if code in (OP_STORE, OP_REMOVE, OP_STORE_OFFLOADED):
             out += struct.pack("<I", len(blocks))
             for h, a in blocks:
                 out += struct.pack("<QQ", h, a)
@@ -97,7 +97,7 @@ def decode_frame(data):
         code, worker = struct.unpack_from("<BI", data, pos)
         pos += 5
         blocks = None
-        if code in (OP_STORE, OP_REMOVE):
+        if code in (OP_STORE, OP_REMOVE, OP_STORE_OFFLOADED):
             (count,) = struct.unpack_from("<I", data, pos)
             pos += 4
             blocks = [struct.unpack_from("<QQ", data, pos + 16 * i) for i in range(count)]

@@ -143,3 +143,20 @@ def test_a_lora_request_matches_only_its_adapters_blocks(stack):
     assert where({"x-kvroute-cache-salt": "tenant-7"})[1] == 0
     # The namespace headers are the router's inputs: not forwarded to the engine.
     assert "x-kvroute-lora" not in a.requests[-1] and "x-kvroute-lora" not in b.requests[-1]
+
+
+def test_offloaded_blocks_count_at_their_credit(stack):
+    a, b = stack.workers[0], stack.workers[1]
+    prompt = tokens(5, 20 * 16)
+    n = len(prompt) // 16
+    # A holds the whole prompt, but only in CPU memory; B the first 8 blocks on its GPU.
+    gpu_events = chain_events("vllm", prompt, hash_of=lambda i: 500 + i)
+    stack.pubs[0].publish(batch("vllm", [stored("vllm", e.block_hashes, e.parent_block_hash, e.token_ids, 16,
+                                                medium="CPU") for e in gpu_events]))
+    stack.pubs[1].publish(batch("vllm", chain_events("vllm", prompt[:8 * 16])))
+    wait_for(lambda: stack.sidecar.block_count(a.id) == n and stack.sidecar.block_count(b.id) == 8,
+             what="both workers' blocks")
+    stack.synced()
+    # Credit 0.5 (the default): A's 20 offloaded hits are worth 10 > B's 8.
+    worker, d = stack.route(prompt)
+    assert (worker, d["hits"], d.get("offloaded")) == (a.id, str(n), str(n)), d

@@ -9,7 +9,7 @@ import pytest
 
 from harness import SIDECAR, Sidecar, free_port, wait_for
 from kvevents import (FORMS, Publisher, batch, chain_events, cleared, removed, stored)
-from kvfeed import OP_STORE, SNAPSHOT_START, decode_frame, feed_blocks, namespace
+from kvfeed import OP_STORE, OP_STORE_OFFLOADED, SNAPSHOT_START, decode_frame, feed_blocks, namespace
 
 
 def tokens(prefix, n):
@@ -59,23 +59,25 @@ def fleet():
         f.close()
 
 
-def snapshot(sc):
-    """Every worker's blocks from the feed (all pages): {worker_id: {(hash, anchor)}}."""
-    status, body = sc.get("/v1/kv/feed?epoch=0&since=0&cursor=0&timeout_ms=0")
+def snapshot(sc, tiers=False):
+    """Every worker's blocks from the feed (all pages): {worker_id: {(hash, anchor)}}; with
+    tiers, {worker_id: ({GPU blocks}, {offloaded-only blocks})}."""
+    t = "&tiers=1" if tiers else ""
+    status, body = sc.get(f"/v1/kv/feed?epoch=0&since=0&cursor=0&timeout_ms=0{t}")
     assert status == 200
     frame = decode_frame(body)
     assert frame["kind"] == SNAPSHOT_START
     frames = [frame]
     while frames[-1]["next_cursor"]:
         _, body = sc.get(f"/v1/kv/feed?epoch={frame['epoch']}&since={frame['to']}"
-                         f"&cursor={frames[-1]['next_cursor']}&timeout_ms=0")
+                         f"&cursor={frames[-1]['next_cursor']}&timeout_ms=0{t}")
         frames.append(decode_frame(body))
-    held = {w[0]: set() for w in frame["workers"]}
+    held = {w[0]: (set(), set()) for w in frame["workers"]}
     for f in frames:
         for code, worker, blocks in f["ops"]:
-            assert code == OP_STORE
-            held[frame["workers"][worker][0]] |= set(blocks)
-    return held
+            assert code == OP_STORE or (tiers and code == OP_STORE_OFFLOADED)
+            held[frame["workers"][worker][0]][code == OP_STORE_OFFLOADED].update(blocks)
+    return held if tiers else {w: gpu for w, (gpu, _) in held.items()}
 
 
 def metric(sc, name, **labels):
@@ -279,10 +281,14 @@ def test_offloaded_copies_keep_a_block_held(fleet):
     cpu = [stored("vllm", e.block_hashes, e.parent_block_hash, e.token_ids, 16, medium="CPU") for e in ev]
     pub.publish(batch("vllm", ev + cpu))
     wait_for(lambda: sc.block_count(wid) == 2, what="two blocks")
+    assert snapshot(sc, tiers=True)[wid] == (set(feed_blocks(prompt)), set())
     pub.publish(batch("vllm", [removed("vllm", [40, 41], medium="GPU")]))
     wait_for(lambda: sc.json("/v1/admin/workers")[1]["workers"][0]["offloaded_blocks"] == 2,
              what="held offloaded only")
     assert sc.block_count(wid) == 2
+    # Clients that ask for tiers are told; others see plain stores.
+    assert snapshot(sc, tiers=True)[wid] == (set(), set(feed_blocks(prompt)))
+    assert snapshot(sc)[wid] == set(feed_blocks(prompt))
     pub.publish(batch("vllm", [removed("vllm", [40, 41], medium="CPU")]))
     wait_for(lambda: sc.block_count(wid) == 0, what="gone from every tier")
 
