@@ -10,7 +10,7 @@ import time
 import pytest
 
 from harness import ENVOY_YAML, ROOT, envoy_binary, wait_for
-from kvfeed import block_hashes
+from kvfeed import block_hashes, namespace
 
 
 def tokens(prefix, n):
@@ -309,8 +309,11 @@ def test_envoy_configs_validate():
 def test_router_hashes_match_the_published_vectors():
     import json
     v = json.loads((ROOT / "tests" / "vectors" / "block_hashes.json").read_text())
+    assert any("namespace" in c for c in v["cases"])
     for case in v["cases"]:
-        assert [str(h) for h in block_hashes(case["tokens"], case["block_size"])] == case["seq_hashes"]
+        ns = namespace(case.get("lora"), case.get("cache_salt"))
+        assert str(ns) == case.get("namespace", "0")
+        assert [str(h) for h in block_hashes(case["tokens"], case["block_size"], ns)] == case["seq_hashes"]
 
 
 def test_admin_route_reaches_the_sidecar_through_envoy(setup):
