@@ -94,7 +94,7 @@ def main():
     sidecar = Sidecar(specs, extra={"health_path": ""})
     cfg, lp, ap_ = render_config(workers, sidecar.port,
                                  {"debug_header": "x-kvroute-debug", "predict_on_route": False},
-                                 {"poll_timeout_ms": 5000})
+                                 {"poll_timeout_ms": 5000, "stale_after_ms": 15000})
     envoy = Envoy(cfg, lp, ap_, concurrency=1)
     time.sleep(0.5)
     print("encoding background batches ...", flush=True)
@@ -136,7 +136,7 @@ def main():
             p.close()
         upstream.stop()
 
-    q = statistics.quantiles(latencies, n=100)
+    q = statistics.quantiles(latencies, n=100, method="inclusive")
     result = {
         "background_rate_target": args.rate,
         "background_rate_applied": round(stored_rate),
