@@ -32,6 +32,11 @@ const MAX_PER_TURN: usize = 256;
 const POLL_MS: i64 = 50;
 /// ZMQ receive high-water mark: bursts beyond this are dropped by ZMQ (and replayed).
 const RCV_HWM: i32 = 1_000_000;
+/// Largest message accepted. An engine's batch is a scheduler step's events (kilobytes to
+/// a few megabytes); libzmq drops the connection of a peer that sends more (it reconnects;
+/// what was lost shows as a sequence gap and is replayed), so nothing hostile makes the
+/// sidecar allocate without bound.
+const MAX_MESSAGE_BYTES: i64 = 64 << 20;
 
 struct Replay {
     dealer: zmq::Socket,
@@ -82,6 +87,7 @@ impl Ingest {
                 let endpoint = wc.events_for(rank);
                 let sub = ctx.socket(zmq::SUB).map_err(|e| format!("zmq socket: {e}"))?;
                 sub.set_rcvhwm(RCV_HWM).map_err(|e| format!("zmq rcvhwm: {e}"))?;
+                sub.set_maxmsgsize(MAX_MESSAGE_BYTES).map_err(|e| format!("zmq maxmsgsize: {e}"))?;
                 sub.set_linger(0).map_err(|e| format!("zmq linger: {e}"))?;
                 sub.set_subscribe(config.topic.as_bytes()).map_err(|e| format!("zmq subscribe: {e}"))?;
                 sub.connect(&endpoint).map_err(|e| format!("worker {} events {endpoint}: {e}", wc.id))?;
@@ -252,6 +258,7 @@ impl Ingest {
         };
         let sent = dealer
             .set_linger(0)
+            .and_then(|_| dealer.set_maxmsgsize(MAX_MESSAGE_BYTES))
             .and_then(|_| dealer.connect(endpoint))
             .and_then(|_| dealer.send_multipart([&b""[..], &from.to_be_bytes()[..]], zmq::DONTWAIT));
         if let Err(e) = sent {
