@@ -253,7 +253,15 @@ mod tests {
         (0..n).map(|p| (p as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)).collect()
     }
 
-    fn run(bytes: &[u8], n: usize, alive_slots: &[usize], with_fly: bool) -> (Vec<usize>, Vec<u32>) {
+    /// Scans `n` blocks starting at position `start` at time 50: the slots still alive,
+    /// `hits` and `offloaded` per slot.
+    fn scan(
+        bytes: &[u8],
+        n: usize,
+        start: usize,
+        alive_slots: &[usize],
+        with_fly: bool,
+    ) -> (Vec<usize>, Vec<u32>, Vec<u32>) {
         let b = Bucket::parse(bytes).unwrap();
         let mut alive = SlotSet::EMPTY;
         for &s in alive_slots {
@@ -261,20 +269,13 @@ mod tests {
         }
         let mut hits = vec![u32::MAX; MAX_SLOTS];
         let mut off = vec![0; MAX_SLOTS];
-        scan_segment(&b, &hashes(n), 32, 50, with_fly, &mut alive, &mut hits, &mut off);
-        (alive.iter().collect(), hits)
+        scan_segment(&b, &hashes(n), start, 50, with_fly, &mut alive, &mut hits, &mut off);
+        (alive.iter().collect(), hits, off)
     }
 
-    fn run_offloaded(bytes: &[u8], n: usize, alive_slots: &[usize]) -> Vec<u32> {
-        let b = Bucket::parse(bytes).unwrap();
-        let mut alive = SlotSet::EMPTY;
-        for &s in alive_slots {
-            alive.insert(s);
-        }
-        let mut hits = vec![u32::MAX; MAX_SLOTS];
-        let mut off = vec![0; MAX_SLOTS];
-        scan_segment(&b, &hashes(n), 0, 50, true, &mut alive, &mut hits, &mut off);
-        off
+    fn run(bytes: &[u8], n: usize, alive_slots: &[usize], with_fly: bool) -> (Vec<usize>, Vec<u32>) {
+        let (alive, hits, _) = scan(bytes, n, 32, alive_slots, with_fly);
+        (alive, hits)
     }
 
     #[test]
@@ -302,7 +303,7 @@ mod tests {
         let bytes = tiered_bucket_bytes(80, 1, idx, off, |p| if p < 5 { vec![2] } else { vec![] });
         for n in [80, 30] {
             // 80 blocks: the sorted path; 30: the per-position path.
-            let o = run_offloaded(&bytes, n, &[0, 1, 2]);
+            let (_, _, o) = scan(&bytes, n, 0, &[0, 1, 2], true);
             assert_eq!((o[0], o[1], o[2]), (40.min(n as u32), 0, n as u32 - 5), "n = {n}");
         }
     }

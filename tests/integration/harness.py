@@ -192,15 +192,21 @@ class Envoy:
             conn.close()
 
     def stop(self):
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
+        stop_process(self.proc, self.log, self.dir)
+
+
+def stop_process(proc, log, tmpdir, kill=False):
+    """Ends a process we started (SIGTERM, or SIGKILL if `kill` or it lingers), closes its
+    log and removes its temporary directory."""
+    if proc.poll() is None:
+        proc.kill() if kill else proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    log.close()
+    shutil.rmtree(tmpdir, ignore_errors=True)
 
 
 def wait_for(predicate, timeout=10, interval=0.05, what="condition"):
@@ -287,12 +293,4 @@ class Sidecar:
         return self.metrics().get(key, 0.0)
 
     def stop(self, kill=False):
-        if self.proc.poll() is None:
-            self.proc.kill() if kill else self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
+        stop_process(self.proc, self.log, self.dir, kill)
