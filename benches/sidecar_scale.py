@@ -110,8 +110,13 @@ def main():
         cfg, lp, ap_ = render_config(workers, sidecar.port, {}, sync)
         t = time.perf_counter()
         envoy = Envoy(cfg, lp, ap_, concurrency=2)
-        wait_for(lambda: envoy.stat("kvroute_sync.index_entries") >= total, timeout=900, interval=0.5,
-                 what="envoy synced")
+        def synced():
+            try:
+                return envoy.stat("kvroute_sync.index_entries") >= total
+            except OSError:  # the admin API shares Envoy's main thread with the sync service
+                return False
+
+        wait_for(synced, timeout=900, interval=0.5, what="envoy synced")
         result.update({"envoy_sync_s": round(time.perf_counter() - t, 1),
                        "envoy_rss_no_index_mb": round(rss0),
                        "envoy_rss_synced_mb": round(rss_mb(envoy.proc.pid))})

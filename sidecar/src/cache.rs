@@ -14,10 +14,10 @@
 //! exists; storing a held copy again changes nothing.
 
 use crate::events::{BlockRemoved, BlockStored, ExtraKeys, Medium};
+use crate::table::HashTable;
 use kvroute::feed::FeedBlock;
 use kvroute::hash::{chain_hash, local_hash, namespace, root_parent, BASE_NAMESPACE};
 use kvroute::layout::anchor_position;
-use std::collections::HashMap;
 
 /// Copies are tracked per (KV-cache group, medium) in a 32-bit mask: 16 groups.
 pub const MAX_GROUPS: u32 = 16;
@@ -79,7 +79,7 @@ impl Outcome {
 /// multiple of the router's) is `span` entries: the last router block under the engine
 /// hash (what a child's parent link finds), the others under [`part_key`]s. Kept at 16
 /// bytes: this table is most of the sidecar's memory.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, Default)]
 struct EngineBlock {
     router: u64,
     /// Bit `2·group + tier` (tier 0 = GPU, 1 = offloaded) per copy the engine holds; the
@@ -95,12 +95,12 @@ fn part_key(engine_hash: u64, j: u32) -> u64 {
 }
 
 /// The main entry of an engine block (never a part of another one).
-fn main_entry(engine: &HashMap<u64, EngineBlock>, engine_hash: u64) -> Option<EngineBlock> {
+fn main_entry(engine: &HashTable<EngineBlock>, engine_hash: u64) -> Option<EngineBlock> {
     engine.get(&engine_hash).copied().filter(|e| e.span > 0)
 }
 
 /// Every router hash of the engine block whose main entry is `main`.
-fn routers_of(engine: &HashMap<u64, EngineBlock>, engine_hash: u64, main: EngineBlock) -> Vec<u64> {
+fn routers_of(engine: &HashTable<EngineBlock>, engine_hash: u64, main: EngineBlock) -> Vec<u64> {
     let mut out: Vec<u64> =
         (0..main.span - 1).filter_map(|j| engine.get(&part_key(engine_hash, j)).map(|e| e.router)).collect();
     out.push(main.router);
@@ -108,7 +108,7 @@ fn routers_of(engine: &HashMap<u64, EngineBlock>, engine_hash: u64, main: Engine
 }
 
 /// Removes an engine block (all its entries); returns its router hashes.
-fn remove_engine_block(engine: &mut HashMap<u64, EngineBlock>, engine_hash: u64, main: EngineBlock) -> Vec<u64> {
+fn remove_engine_block(engine: &mut HashTable<EngineBlock>, engine_hash: u64, main: EngineBlock) -> Vec<u64> {
     let routers = routers_of(engine, engine_hash, main);
     for j in 0..main.span - 1 {
         engine.remove(&part_key(engine_hash, j));
@@ -117,7 +117,7 @@ fn remove_engine_block(engine: &mut HashMap<u64, EngineBlock>, engine_hash: u64,
     routers
 }
 
-fn set_copies(engine: &mut HashMap<u64, EngineBlock>, engine_hash: u64, main: EngineBlock, copies: u32) {
+fn set_copies(engine: &mut HashTable<EngineBlock>, engine_hash: u64, main: EngineBlock, copies: u32) {
     for key in (0..main.span - 1).map(|j| part_key(engine_hash, j)).chain([engine_hash]) {
         if let Some(e) = engine.get_mut(&key) {
             e.copies = copies;
@@ -125,7 +125,7 @@ fn set_copies(engine: &mut HashMap<u64, EngineBlock>, engine_hash: u64, main: En
     }
 }
 
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, Default)]
 struct RouterBlock {
     anchor: u64,
     /// 0-based position in its chain.
@@ -139,8 +139,8 @@ struct RouterBlock {
 #[derive(Debug, Default)]
 pub struct WorkerCache {
     /// Per DP rank.
-    ranks: Vec<HashMap<u64, EngineBlock>>,
-    blocks: HashMap<u64, RouterBlock>,
+    ranks: Vec<HashTable<EngineBlock>>,
+    blocks: HashTable<RouterBlock>,
     /// Scratch for `apply_stored`: one router block's token bytes, one engine block's
     /// router blocks (hash, anchor, position).
     block_le: Vec<u8>,
@@ -155,7 +155,7 @@ const GPU_BITS: u32 = 0x5555_5555;
 
 impl WorkerCache {
     pub fn new(dp_ranks: usize) -> Self {
-        WorkerCache { ranks: (0..dp_ranks.max(1)).map(|_| HashMap::new()).collect(), ..WorkerCache::default() }
+        WorkerCache { ranks: (0..dp_ranks.max(1)).map(|_| HashTable::default()).collect(), ..WorkerCache::default() }
     }
 
     /// Distinct blocks the worker holds (any tier).
@@ -170,7 +170,7 @@ impl WorkerCache {
 
     /// Every block held, as the feed names it, and whether it is held only offloaded.
     pub fn feed_blocks(&self) -> impl Iterator<Item = (FeedBlock, bool)> + '_ {
-        self.blocks.iter().map(|(h, b)| (FeedBlock { hash: *h, anchor: b.anchor }, b.gpu_holders == 0))
+        self.blocks.iter().map(|(h, b)| (FeedBlock { hash: h, anchor: b.anchor }, b.gpu_holders == 0))
     }
 
     pub fn apply_stored(
@@ -255,7 +255,7 @@ impl WorkerCache {
                 None => {}
             }
             for (j, &(hash, anchor, pos)) in routers.iter().enumerate() {
-                let b = self.blocks.entry(hash).or_insert_with(|| {
+                let b = self.blocks.get_or_insert_with(hash, || {
                     let block = FeedBlock { hash, anchor };
                     out.push(if gpu { Change::Store(block) } else { Change::StoreOffloaded(block) });
                     RouterBlock { anchor, pos, holders: 0, gpu_holders: 0 }
@@ -331,15 +331,9 @@ impl WorkerCache {
         self.blocks.is_empty()
     }
 
-    /// Approximate heap bytes held (hash tables at their capacity).
+    /// Heap bytes held by the tables.
     pub fn heap_bytes(&self) -> usize {
-        fn table<K, V>(m: &HashMap<K, V>) -> usize {
-            // hashbrown: one control byte per bucket, buckets = capacity / 0.875 rounded up
-            // to a power of two; `capacity()` already reports usable buckets.
-            let buckets = (m.capacity() * 8).div_ceil(7).next_power_of_two();
-            buckets * (std::mem::size_of::<(K, V)>() + 1)
-        }
-        self.ranks.iter().map(table).sum::<usize>() + table(&self.blocks)
+        self.ranks.iter().map(HashTable::heap_bytes).sum::<usize>() + self.blocks.heap_bytes()
     }
 }
 
@@ -382,7 +376,7 @@ fn namespace_of(ev: &BlockStored) -> Result<u64, Outcome> {
 }
 
 /// Drops one engine block's hold on its router blocks; `gpu`: it held a GPU copy.
-fn release(blocks: &mut HashMap<u64, RouterBlock>, routers: &[u64], gpu: bool, out: &mut Vec<Change>) {
+fn release(blocks: &mut HashTable<RouterBlock>, routers: &[u64], gpu: bool, out: &mut Vec<Change>) {
     for &h in routers {
         let Some(b) = blocks.get_mut(&h) else { continue };
         b.holders = b.holders.saturating_sub(1);
@@ -397,7 +391,7 @@ fn release(blocks: &mut HashMap<u64, RouterBlock>, routers: &[u64], gpu: bool, o
 }
 
 /// One more holder has router block `h` in GPU memory.
-fn gpu_gained(blocks: &mut HashMap<u64, RouterBlock>, h: u64, out: &mut Vec<Change>) {
+fn gpu_gained(blocks: &mut HashTable<RouterBlock>, h: u64, out: &mut Vec<Change>) {
     if let Some(b) = blocks.get_mut(&h) {
         b.gpu_holders = b.gpu_holders.saturating_add(1);
         if b.gpu_holders == 1 {
@@ -407,7 +401,7 @@ fn gpu_gained(blocks: &mut HashMap<u64, RouterBlock>, h: u64, out: &mut Vec<Chan
 }
 
 /// One holder less has router block `h` in GPU memory (it keeps a copy elsewhere).
-fn gpu_lost(blocks: &mut HashMap<u64, RouterBlock>, h: u64, out: &mut Vec<Change>) {
+fn gpu_lost(blocks: &mut HashTable<RouterBlock>, h: u64, out: &mut Vec<Change>) {
     if let Some(b) = blocks.get_mut(&h) {
         b.gpu_holders = b.gpu_holders.saturating_sub(1);
         if b.gpu_holders == 0 && b.holders > 0 {

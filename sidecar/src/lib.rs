@@ -16,3 +16,4 @@ pub mod ingest;
 pub mod metrics;
 pub mod msgpack;
 pub mod server;
+pub mod table;
