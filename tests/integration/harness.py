@@ -222,7 +222,7 @@ def wait_for(predicate, timeout=10, interval=0.05, what="condition"):
 
 class Sidecar:
     """The real kvroute-sidecar binary with a generated TOML config.
-    workers: [(id, events_endpoint, replay_endpoint or None, role)]."""
+    workers: [(id, events_endpoint, replay_endpoint or None, role[, dp_ranks])]."""
 
     def __init__(self, workers, block_size=16, port=None, extra=None, args=(), wait=True):
         if not SIDECAR.exists():
@@ -234,10 +234,12 @@ class Sidecar:
         settings.update(extra or {})
         for k, v in settings.items():
             lines.append(f"{k} = {json.dumps(v)}")
-        for wid, events, replay, role in workers:
+        for wid, events, replay, role, *dp in workers:
             lines += ["[[workers]]", f'id = "{wid}"', f'events = "{events}"', f'role = "{role}"']
             if replay:
                 lines.append(f'replay = "{replay}"')
+            if dp:
+                lines.append(f"dp_ranks = {dp[0]}")
         self.config_path = os.path.join(self.dir, "sidecar.toml")
         pathlib.Path(self.config_path).write_text("\n".join(lines) + "\n")
         self.log_path = os.path.join(self.dir, "sidecar.log")

@@ -91,6 +91,7 @@ class AAllBlocksCleared(AKVCacheEvent, tag="AllBlocksCleared"):
 class SEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ts: float
     events: list[Any]
+    attn_dp_rank: Optional[int] = None  # newer SGLang: the DP-attention rank
 
 
 class SKVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
@@ -126,9 +127,9 @@ def stored(form, hashes, parent, tokens, block_size, medium=None, lora_name=None
     return SBlockStored(hashes, parent, tokens, block_size, None)
 
 
-def removed(form, hashes, medium=None):
+def removed(form, hashes, medium=None, group_idx=None):
     if form == "vllm":
-        return VBlockRemoved(hashes, medium)
+        return VBlockRemoved(hashes, medium, group_idx=group_idx)
     if form == "vllm-array":
         return ABlockRemoved(hashes, medium)
     return SBlockRemoved(hashes)
@@ -143,7 +144,7 @@ def batch(form, events, dp_rank=None):
         return VEventBatch(time.time(), events, dp_rank)
     if form == "vllm-array":
         return AEventBatch(time.time(), events, dp_rank)
-    return SEventBatch(time.time(), events)
+    return SEventBatch(time.time(), events, dp_rank)
 
 
 def chain_events(form, tokens, block_size=16, hash_of=None, parent=None, per_event=None):

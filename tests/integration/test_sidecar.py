@@ -8,7 +8,7 @@ import time
 import pytest
 
 from harness import SIDECAR, Sidecar, free_port, wait_for
-from kvevents import (FORMS, Publisher, batch, chain_events, cleared, removed, stored)
+from kvevents import Publisher, batch, chain_events, cleared, removed, stored
 from kvfeed import OP_STORE, OP_STORE_OFFLOADED, SNAPSHOT_START, decode_frame, feed_blocks, namespace
 
 
@@ -158,6 +158,68 @@ def test_lora_and_salted_blocks_live_in_their_own_namespace(fleet):
                                  | set(feed_blocks(prompt, ns=namespace(salt="salt-123")))
                                  | set(feed_blocks(prompt)))
     assert metric(sc, "kvroute_sidecar_events_total", type="BlockStored", outcome="unroutable") == 1
+
+
+def consecutive_free_ports(n):
+    """A port p such that p .. p+n-1 are all free (for DP ranks' offset ports)."""
+    import socket
+    for _ in range(100):
+        p = free_port()
+        socks = []
+        try:
+            for k in range(n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", p + k))
+            return p
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no run of free ports")
+
+
+def test_dp_ranks_publish_on_offset_ports_and_clear_alone():
+    base = consecutive_free_ports(2)
+    wid = f"127.0.0.1:{free_port()}"
+    # SGLang with DP attention: rank r publishes on base + r and says so in attn_dp_rank.
+    pubs = [Publisher(f"tcp://127.0.0.1:{base + r}") for r in range(2)]
+    sc = Sidecar([(wid, f"tcp://127.0.0.1:{base}", None, "both", 2)])
+    try:
+        time.sleep(0.3)
+        a, b = tokens(22, 3 * 16), tokens(23, 2 * 16)
+        pubs[0].publish(batch("sglang", chain_events("sglang", a), dp_rank=0))
+        pubs[1].publish(batch("sglang", chain_events("sglang", b), dp_rank=1))
+        wait_for(lambda: sc.block_count(wid) == 5, what="both ranks' blocks on the one worker")
+        ranks = sc.json("/v1/admin/workers")[1]["workers"][0]["dp_ranks"]
+        assert [r["last_seq"] for r in ranks] == [0, 0]
+        pubs[1].publish(batch("sglang", [cleared("sglang")], dp_rank=1))
+        wait_for(lambda: sc.block_count(wid) == 3, what="rank 1 cleared, rank 0 kept")
+        assert snapshot(sc)[wid] == set(feed_blocks(a))
+    finally:
+        sc.stop()
+        for p in pubs:
+            p.close()
+
+
+def test_a_block_held_by_two_kv_cache_groups_goes_with_the_last(fleet):
+    f = fleet(n=1)
+    pub, sc, wid = f.pubs[0], f.sidecar, f.ids[0]
+    prompt = tokens(24, 2 * 16)
+    hashes = [61, 62]
+    # A hybrid model stores the blocks once per group (full attention, sliding window).
+    pub.publish(batch("vllm", [
+        stored("vllm", hashes, None, prompt, 16, group_idx=0),
+        stored("vllm", hashes, None, prompt, 16, group_idx=1),
+    ]))
+    wait_for(lambda: sc.block_count(wid) == 2, what="two blocks, stored twice: flat")
+    pub.publish(batch("vllm", [removed("vllm", hashes, group_idx=1)]))  # the window slid
+    pub.flush()
+    time.sleep(0.2)
+    assert sc.block_count(wid) == 2
+    pub.publish(batch("vllm", [removed("vllm", hashes, group_idx=0)]))
+    wait_for(lambda: sc.block_count(wid) == 0, what="gone with the last group")
 
 
 def test_a_dropped_batch_is_replayed(fleet):
