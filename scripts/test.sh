@@ -6,7 +6,8 @@
 #   3. the release builds: kvroute.wasm and kvroute-sidecar (libzmq is vendored: no system
 #      package needed),
 #   4. integration tests: the filter in a real Envoy; the sidecar against publishers using
-#      the engines' own encoder (msgspec) and ZMQ binding (pyzmq); both together end to end.
+#      the engines' own encoder (msgspec) and ZMQ binding (pyzmq); the simulated fleet's
+#      mock engines; all of them together end to end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -30,17 +31,18 @@ cargo fmt --all -- --check
 cargo clippy --quiet --workspace --all-targets -- -D warnings
 cargo clippy --quiet --target wasm32-unknown-unknown --lib -- -D warnings
 
-step "core and sidecar unit tests (native)"
+step "core, sidecar and fleet unit tests (native)"
 cargo test --quiet --lib
 cargo test --quiet -p kvroute-sidecar
+cargo test --quiet -p kvroute-fleet
 
 step "core unit tests (wasm32, in node)"
 CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUNNER=wasm-bindgen-test-runner \
   cargo test --target wasm32-unknown-unknown --no-default-features --lib  # the runner rejects --quiet
 
-step "building kvroute.wasm and kvroute-sidecar"
+step "building kvroute.wasm, kvroute-sidecar and kvroute-fleet"
 cargo build --quiet --target wasm32-unknown-unknown --release
-cargo build --quiet --release -p kvroute-sidecar
+cargo build --quiet --release -p kvroute-sidecar -p kvroute-fleet
 
 step "integration tests (real Envoy, real ZMQ publishers)"
 python3 -m pytest tests/integration -q -p no:cacheprovider

@@ -19,6 +19,7 @@ import yaml
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 WASM = ROOT / "target" / "wasm32-unknown-unknown" / "release" / "kvroute.wasm"
 SIDECAR = ROOT / "target" / "release" / "kvroute-sidecar"
+FLEET = ROOT / "target" / "release" / "kvroute-fleet"
 ENVOY_YAML = ROOT / "envoy" / "envoy.yaml"
 
 
@@ -296,3 +297,65 @@ class Sidecar:
 
     def stop(self, kill=False):
         stop_process(self.proc, self.log, self.dir, kill)
+
+
+class MockEngine:
+    """A kvroute-fleet mock engine (vLLM's API, prefix cache and KV events).
+    events/replay: ZMQ endpoints to publish on (None: no events)."""
+
+    def __init__(self, events=None, replay=None, args=(), port=None):
+        if not FLEET.exists():
+            raise RuntimeError(f"{FLEET} missing: build it with `cargo build --release -p kvroute-fleet`")
+        self.port = port or free_port()
+        self.id = f"127.0.0.1:{self.port}"
+        self.events, self.replay = events, replay
+        cmd = [str(FLEET), "worker", "--port", str(self.port), *args]
+        if events:
+            cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events}
+            if replay:
+                cfg["replay_endpoint"] = replay
+            cmd += ["--kv-events-config", json.dumps(cfg)]
+        self.dir = tempfile.mkdtemp(prefix="kvroute-engine-")
+        self.log_path = os.path.join(self.dir, "engine.log")
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT)
+        deadline = time.time() + 15
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"engine exited {self.proc.returncode}: {self.logs()}")
+            try:
+                with urllib.request.urlopen(f"http://{self.id}/health", timeout=1) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError(f"engine not ready: {self.logs()}")
+
+    def logs(self):
+        return pathlib.Path(self.log_path).read_text(errors="replace")
+
+    def complete(self, prompt, max_tokens=4, stream=False):
+        """POST /v1/completions directly; returns (seconds to first byte, response JSON)."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+        try:
+            t0 = time.perf_counter()
+            conn.request("POST", "/v1/completions", body=json.dumps(
+                {"model": "mock-llm", "prompt": prompt, "max_tokens": max_tokens, "stream": stream}),
+                headers={"content-type": "application/json"})
+            r = conn.getresponse()
+            body = r.read()
+            return time.perf_counter() - t0, json.loads(body) if not stream else body
+        finally:
+            conn.close()
+
+    def metrics(self):
+        out = {}
+        with urllib.request.urlopen(f"http://{self.id}/metrics", timeout=5) as r:
+            for line in r.read().decode().splitlines():
+                if line and not line.startswith("#"):
+                    k, v = line.rsplit(" ", 1)
+                    out[k.split("{")[0]] = float(v)
+        return out
+
+    def stop(self):
+        stop_process(self.proc, self.log, self.dir)

@@ -58,6 +58,11 @@ class VAllBlocksCleared(VKVCacheEvent, tag="AllBlocksCleared"):
     pass
 
 
+class VKVEventBatch(VEventBatch):
+    """vLLM's typed batch, for decoding what an engine sent."""
+    events: list[Union[VBlockStored, VBlockRemoved, VAllBlocksCleared]]
+
+
 # --- vLLM 0.10 (array_like) --------------------------------------------------------------
 class AEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ts: float
