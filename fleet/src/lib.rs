@@ -4,12 +4,19 @@
 //!
 //! - [`kvcache`]: the paged prefix cache and its KV events;
 //! - [`engine`]: the scheduler and timing model;
+//! - [`kvevents`]: vLLM's KV-event wire format and publisher;
+//! - [`worker`]: the mock engine's HTTP server (vLLM's OpenAI API);
+//! - [`tokenizer`]: the deterministic tokenizer engines and load share;
+//! - [`workload`], [`load`], [`plot`]: the load generator and its reports.
 
 pub mod engine;
 pub mod kvcache;
 pub mod kvevents;
+pub mod load;
+pub mod plot;
 pub mod tokenizer;
 pub mod worker;
+pub mod workload;
 
 /// Resolves on Ctrl-C or SIGTERM.
 pub async fn shutdown_signal() {

