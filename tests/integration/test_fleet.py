@@ -231,3 +231,44 @@ def test_ctrl_c_stops_everything_the_demo_started(tmp_path):
             p.kill()
     time.sleep(0.5)
     assert _our_processes() - before == set()
+
+
+def test_docker_compose_file_is_consistent():
+    """docker-compose.yml: what it mounts and builds exists, its workers are the ones
+    envoy/envoy.yaml routes to, and `docker compose config` accepts it where Docker
+    Compose is installed (not on the test machine: no Docker engine there)."""
+    import shutil
+    import subprocess
+    import yaml
+    from harness import ENVOY_YAML, ROOT
+    doc = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    services = doc["services"]
+    assert services["envoy"]["image"] == "envoyproxy/envoy:v1.40.0"  # the version tested here
+    assert (ROOT / services["worker-1"]["build"]["dockerfile"]).exists()
+    for v in services["envoy"]["volumes"]:
+        src = v.split(":")[0]
+        if src.startswith("./"):
+            assert (ROOT / src).exists(), src
+    envoy = yaml.safe_load(ENVOY_YAML.read_text())
+    workers = next(c for c in envoy["static_resources"]["clusters"] if c["name"] == "workers")
+    ids = {f'{e["endpoint"]["address"]["socket_address"]["address"]}:'
+           f'{e["endpoint"]["address"]["socket_address"]["port_value"]}'
+           for e in workers["load_assignment"]["endpoints"][0]["lb_endpoints"]}
+    sidecar_ids = {a.split("=")[0] for a in services["sidecar"]["command"] if "=tcp://" in a}
+    assert sidecar_ids == ids
+    worker_ports = {f'127.0.0.1:{s["command"][s["command"].index("--port") + 1]}'
+                    for n, s in services.items() if n.startswith("worker-")}
+    assert worker_ports == ids
+    for n, s in services.items():
+        if n.startswith("worker-"):
+            cfg = json.loads(s["command"][s["command"].index("--kv-events-config") + 1])
+            ev_port = cfg["endpoint"].rsplit(":", 1)[1]
+            assert any(f"=tcp://127.0.0.1:{ev_port}" in a for a in services["sidecar"]["command"]), n
+    compose = (["docker-compose"] if shutil.which("docker-compose") else
+               ["docker", "compose"] if shutil.which("docker") and subprocess.run(
+                   ["docker", "compose", "version"], capture_output=True).returncode == 0 else None)
+    if compose is None:
+        pytest.skip("docker compose is not installed here; the file's structure was checked above")
+    r = subprocess.run([*compose, "-f", str(ROOT / "docker-compose.yml"), "config", "-q"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert r.returncode == 0, r.stderr
