@@ -272,3 +272,29 @@ def test_docker_compose_file_is_consistent():
     r = subprocess.run([*compose, "-f", str(ROOT / "docker-compose.yml"), "config", "-q"],
                        capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert r.returncode == 0, r.stderr
+
+
+def test_sixteen_engines_share_two_cores_idle():
+    """Engines wait on timers and sockets, never spin: sixteen idle ones (KV events on)
+    cost next to nothing, and they still answer."""
+    import os
+    import pathlib
+
+    def cpu(pid):
+        f = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+
+    engines = []
+    try:
+        for _ in range(16):
+            engines.append(MockEngine(events=f"tcp://*:{free_port()}", args=["--speedup", "20"]))
+        time.sleep(1)
+        before = [cpu(e.proc.pid) for e in engines]
+        time.sleep(3)
+        used = sum(cpu(e.proc.pid) - b for e, b in zip(engines, before))
+        assert used < 0.3, f"{used:.2f} s of CPU in 3 s for 16 idle engines"
+        for e in engines:
+            assert e.complete(tokens(9, 64), max_tokens=2)[1]["usage"]["completion_tokens"] == 2
+    finally:
+        for e in engines:
+            e.stop()
