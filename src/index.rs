@@ -144,6 +144,13 @@ impl SyncIndex {
         self.entries
     }
 
+    /// Heap bytes of the index (bucket vectors at their capacity).
+    pub fn heap_bytes(&self) -> usize {
+        self.buckets.iter().map(|b| b.capacity() * 8 + std::mem::size_of::<Vec<u64>>()).sum::<usize>()
+            + self.dirty.capacity() * 4
+            + self.is_dirty.capacity()
+    }
+
     pub fn n_buckets(&self) -> u32 {
         self.n_buckets
     }

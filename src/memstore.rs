@@ -23,6 +23,11 @@ impl MemStore {
     pub fn calls(&self) -> (u64, u64) {
         (self.reads.get(), self.writes.get())
     }
+
+    /// Bytes of every key and value held (what the host's shared data would hold).
+    pub fn bytes(&self) -> usize {
+        self.map.borrow().iter().map(|(k, (v, _))| k.len() + v.len()).sum()
+    }
 }
 
 impl SharedStore for MemStore {

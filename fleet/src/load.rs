@@ -75,7 +75,18 @@ pub struct LoadArgs {
     /// No progress line on stderr.
     #[arg(long)]
     pub quiet: bool,
+    /// Also send `x-prefix-hash`: a hash of the prompt's first N 16-token blocks (for
+    /// Envoy's ring-hash "prefix affinity" baseline); 0 = not sent.
+    #[arg(long, default_value_t = 0)]
+    pub prefix_hash_blocks: usize,
+    /// Shared prefix: each group's prompts arrive together, as one burst (at `--rate`
+    /// bursts per second) — many same-prefix requests within one event round trip.
+    #[arg(long)]
+    pub burst: bool,
 }
+
+/// Tokens per block for the oracle and the prefix hash (the fleet's block size).
+const BLOCK: usize = 16;
 
 #[derive(Debug, Clone, Serialize)]
 pub struct Sample {
@@ -86,8 +97,37 @@ pub struct Sample {
     pub prompt_tokens: usize,
     pub cached_tokens: usize,
     pub worker: String,
+    /// Seconds from the start of the run to the send.
+    pub sent_s: f64,
     #[serde(skip)]
     pub answer: String,
+    #[serde(skip)]
+    pub prompt: Vec<u32>,
+}
+
+/// The hit rate of one infinite prefix cache that saw every request in the order they
+/// were sent: the most prefix reuse the workload allows (cached ÷ prompt tokens).
+pub fn oracle_hit_rate(samples: &[Sample]) -> f64 {
+    let mut order: Vec<&Sample> = samples.iter().collect();
+    order.sort_by(|a, b| a.sent_s.total_cmp(&b.sent_s));
+    let mut seen = std::collections::HashSet::new();
+    let (mut hit, mut total) = (0usize, 0usize);
+    for s in order {
+        let hashes = kvroute::hash::block_hashes(&s.prompt, BLOCK);
+        let lead = hashes.iter().take_while(|h| seen.contains(*h)).count();
+        // As an engine does, the last prompt token is always computed.
+        hit += (lead * BLOCK).min(s.prompt.len().saturating_sub(1));
+        total += s.prompt.len();
+        seen.extend(hashes);
+    }
+    hit as f64 / total.max(1) as f64
+}
+
+/// `x-prefix-hash`: the prompt's first `blocks` blocks, hashed.
+fn prefix_hash(prompt: &[u32], blocks: usize) -> String {
+    let n = (blocks * BLOCK).min(prompt.len());
+    let bytes: Vec<u8> = prompt[..n].iter().flat_map(|t| t.to_le_bytes()).collect();
+    format!("{:016x}", xxhash_rust::xxh3::xxh3_64(&bytes))
 }
 
 fn pct(sorted: &[f64], p: f64) -> f64 {
@@ -108,8 +148,18 @@ fn round2(x: f64) -> f64 {
     (x * 100.0).round() / 100.0
 }
 
+/// How to send: the gateway, and which routing headers the "tokenizer stage" writes.
+#[derive(Clone)]
+pub struct Sender {
+    pub target: String,
+    pub prefix_hash_blocks: usize,
+    pub start: Instant,
+}
+
 /// Sends one completion request, streaming, and measures it.
-pub async fn send(target: &str, prompt: &[u32], max_tokens: usize, key: u64) -> Sample {
+pub async fn send(sender: &Sender, prompt: &[u32], max_tokens: usize, key: u64) -> Sample {
+    let target = sender.target.as_str();
+    let t0 = Instant::now();
     let mut s = Sample {
         key,
         ok: false,
@@ -118,9 +168,10 @@ pub async fn send(target: &str, prompt: &[u32], max_tokens: usize, key: u64) -> 
         prompt_tokens: prompt.len(),
         cached_tokens: 0,
         worker: String::new(),
+        sent_s: t0.duration_since(sender.start).as_secs_f64(),
         answer: String::new(),
+        prompt: prompt.to_vec(),
     };
-    let t0 = Instant::now();
     let result: Result<(), String> = async {
         let stream = tokio::net::TcpStream::connect(target).await.map_err(|e| e.to_string())?;
         let _ = stream.set_nodelay(true);
@@ -129,12 +180,14 @@ pub async fn send(target: &str, prompt: &[u32], max_tokens: usize, key: u64) -> 
             .map_err(|e| e.to_string())?;
         tokio::spawn(conn);
         let body = json!({"model": "mock-llm", "prompt": prompt, "max_tokens": max_tokens, "stream": true}).to_string();
-        let req = hyper::Request::post("/v1/completions")
+        let mut req = hyper::Request::post("/v1/completions")
             .header("host", target)
             .header("content-type", "application/json")
-            .header("x-prompt-token-ids-b64", kvroute::tokens::encode_base64(prompt))
-            .body(Full::new(Bytes::from(body)))
-            .map_err(|e| e.to_string())?;
+            .header("x-prompt-token-ids-b64", kvroute::tokens::encode_base64(prompt));
+        if sender.prefix_hash_blocks > 0 {
+            req = req.header("x-prefix-hash", prefix_hash(prompt, sender.prefix_hash_blocks));
+        }
+        let req = req.body(Full::new(Bytes::from(body))).map_err(|e| e.to_string())?;
         let resp = tx.send_request(req).await.map_err(|e| e.to_string())?;
         if resp.status() != hyper::StatusCode::OK {
             return Err(format!("status {}", resp.status()));
@@ -209,6 +262,7 @@ pub async fn run(args: LoadArgs) -> Result<Value, String> {
     let before = all_metrics(&args.engines).await;
     let progress = Arc::new(Progress { done: AtomicUsize::new(0), failed: AtomicUsize::new(0) });
     let start = Instant::now();
+    let sender = Sender { target: args.target.clone(), prefix_hash_blocks: args.prefix_hash_blocks, start };
     let (total, samples) = match args.workload {
         WorkloadKind::SharedPrefix | WorkloadKind::Mooncake => {
             let plan = plan(&args)?;
@@ -216,11 +270,11 @@ pub async fn run(args: LoadArgs) -> Result<Value, String> {
             let ticker = ticker(&args, progress.clone(), total);
             let mut handles = Vec::with_capacity(total);
             for p in plan {
-                let target = args.target.clone();
+                let sender = sender.clone();
                 let progress = progress.clone();
                 handles.push(tokio::spawn(async move {
                     tokio::time::sleep_until(tokio::time::Instant::from_std(start + p.at)).await;
-                    let s = send(&target, &p.prompt, p.max_tokens, p.key).await;
+                    let s = send(&sender, &p.prompt, p.max_tokens, p.key).await;
                     progress.done.fetch_add(1, Ordering::Relaxed);
                     if !s.ok {
                         progress.failed.fetch_add(1, Ordering::Relaxed);
@@ -249,7 +303,7 @@ pub async fn run(args: LoadArgs) -> Result<Value, String> {
             let starts = workload::poisson_times(&mut rng, chat.conversations, args.rate);
             let mut handles = Vec::new();
             for (c, at) in starts.into_iter().enumerate() {
-                let target = args.target.clone();
+                let sender = sender.clone();
                 let progress = progress.clone();
                 let chat = chat.clone();
                 let mut rng = Rng::new(args.seed ^ (c as u64 + 1).wrapping_mul(0x9E37_79B9));
@@ -258,7 +312,7 @@ pub async fn run(args: LoadArgs) -> Result<Value, String> {
                     let mut prompt = workload::random_tokens(&mut rng, chat.first_len);
                     let mut out = Vec::new();
                     for _ in 0..chat.turns {
-                        let s = send(&target, &prompt, chat.output_len, c as u64).await;
+                        let s = send(&sender, &prompt, chat.output_len, c as u64).await;
                         progress.done.fetch_add(1, Ordering::Relaxed);
                         if !s.ok {
                             progress.failed.fetch_add(1, Ordering::Relaxed);
@@ -297,7 +351,7 @@ fn plan(args: &LoadArgs) -> Result<Vec<Planned>, String> {
             output_len: args.output_len.max(1),
             popularity: if args.zipf > 0.0 { Popularity::Zipf(args.zipf) } else { Popularity::Uniform },
         }
-        .plan(args.seed, args.rate)),
+        .plan(args.seed, args.rate, args.burst)),
         WorkloadKind::Mooncake => {
             let text = std::fs::read_to_string(&args.trace).map_err(|e| format!("--trace {}: {e}", args.trace))?;
             workload::mooncake(&text, args.length_scale, args.time_scale, args.requests, args.output_len.max(1))
@@ -376,9 +430,43 @@ fn summarize(
         "prompt_tokens": prompt,
         "cached_tokens": cached,
         "hit_rate": round2(cached as f64 / prompt.max(1) as f64 * 100.0) / 100.0,
+        "oracle_hit_rate": round2(oracle_hit_rate(&samples) * 100.0) / 100.0,
         "per_worker": per_worker,
         "engine_busy_s": busy.iter().map(|b| round2(*b)).collect::<Vec<_>>(),
         "busy_imbalance": round2(imbalance),
         "samples": samples,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample(prompt: Vec<u32>, sent_s: f64) -> Sample {
+        Sample {
+            key: 0,
+            ok: true,
+            ttft_ms: 0.0,
+            e2e_ms: 0.0,
+            prompt_tokens: prompt.len(),
+            cached_tokens: 0,
+            worker: String::new(),
+            sent_s,
+            answer: String::new(),
+            prompt,
+        }
+    }
+
+    #[test]
+    fn oracle_counts_leading_blocks_seen_before_in_send_order() {
+        let a: Vec<u32> = (0..64).collect();
+        let mut b = a[..48].to_vec();
+        b.extend(1000..1016);
+        // Sent b after a: b's first 3 blocks are hits (48 of 64 tokens); a's first send: 0.
+        let r = oracle_hit_rate(&[sample(b.clone(), 2.0), sample(a.clone(), 1.0)]);
+        assert_eq!(r, 48.0 / 128.0);
+        // The same prompt twice: the second hits all but its last token.
+        assert_eq!(oracle_hit_rate(&[sample(a.clone(), 0.0), sample(a, 1.0)]), 63.0 / 128.0);
+        assert_eq!(prefix_hash(&b, 2), prefix_hash(&(0..40).collect::<Vec<u32>>(), 2));
+    }
 }

@@ -88,7 +88,11 @@ pub fn poisson_times(rng: &mut Rng, n: usize, rate: f64) -> Vec<Duration> {
 }
 
 impl SharedPrefix {
-    pub fn plan(&self, seed: u64, rate: f64) -> Vec<Planned> {
+    /// `burst`: each group's prompts arrive at once (bursts at `rate` per second).
+    pub fn plan(&self, seed: u64, rate: f64, burst: bool) -> Vec<Planned> {
+        if burst {
+            return self.plan_bursts(seed, rate);
+        }
         let mut rng = Rng::new(seed);
         let systems: Vec<Vec<u32>> =
             (0..self.groups).map(|_| random_tokens(&mut rng, self.system_prompt_len)).collect();
@@ -131,6 +135,23 @@ impl SharedPrefix {
             for (p, (prompt, key)) in out.iter_mut().zip(prompts) {
                 p.prompt = prompt;
                 p.key = key;
+            }
+        }
+        out
+    }
+}
+
+impl SharedPrefix {
+    fn plan_bursts(&self, seed: u64, rate: f64) -> Vec<Planned> {
+        let mut rng = Rng::new(seed);
+        let times = poisson_times(&mut rng, self.groups, rate);
+        let mut out = Vec::new();
+        for (g, at) in times.into_iter().enumerate() {
+            let system = random_tokens(&mut rng, self.system_prompt_len);
+            for _ in 0..self.prompts_per_group {
+                let mut prompt = system.clone();
+                prompt.extend(random_tokens(&mut rng, self.question_len));
+                out.push(Planned { at, prompt, max_tokens: self.output_len, key: g as u64 });
             }
         }
         out
@@ -201,7 +222,7 @@ mod tests {
             output_len: 3,
             popularity: Popularity::Uniform,
         };
-        let plan = w.plan(1, 10.0);
+        let plan = w.plan(1, 10.0, false);
         assert_eq!(plan.len(), 20);
         for g in 0..4u64 {
             let members: Vec<_> = plan.iter().filter(|p| p.key == g).collect();
@@ -211,7 +232,9 @@ mod tests {
         assert_ne!(plan[0].prompt[100..], plan[1].prompt[100..]);
         assert!(plan.windows(2).all(|w| w[0].at <= w[1].at));
         // Deterministic in the seed.
-        assert_eq!(w.plan(1, 10.0)[7].prompt, plan[7].prompt);
+        assert_eq!(w.plan(1, 10.0, false)[7].prompt, plan[7].prompt);
+        let bursts = w.plan(1, 10.0, true);
+        assert!(bursts[..5].iter().all(|p| p.key == 0 && p.at == bursts[0].at));
     }
 
     #[test]
@@ -224,7 +247,7 @@ mod tests {
             output_len: 1,
             popularity: Popularity::Zipf(1.2),
         };
-        let plan = w.plan(2, f64::INFINITY);
+        let plan = w.plan(2, f64::INFINITY, false);
         let count = |g| plan.iter().filter(|p| p.key == g).count();
         assert!(count(0) > 3 * count(9), "{} vs {}", count(0), count(9));
         assert!(plan.iter().all(|p| p.at == Duration::ZERO));

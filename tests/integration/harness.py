@@ -93,7 +93,12 @@ ENVOY_POLICIES = {
     "round_robin": "envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin",
     "least_request": "envoy.extensions.load_balancing_policies.least_request.v3.LeastRequest",
     "random": "envoy.extensions.load_balancing_policies.random.v3.Random",
+    # Prefix-hash affinity: consistent hashing on a header that carries a hash of the
+    # prompt's first blocks (written by the tokenizer stage: `kvroute-fleet load
+    # --prefix-hash-blocks N`), the approximation many gateways use.
+    "ring_hash": "envoy.extensions.load_balancing_policies.ring_hash.v3.RingHash",
 }
+PREFIX_HASH_HEADER = "x-prefix-hash"
 
 
 def render_config(workers, feed_port, filter_config=None, sync_config=None,
@@ -126,6 +131,10 @@ def render_config(workers, feed_port, filter_config=None, sync_config=None,
         workers_cluster["load_balancing_policy"] = {"policies": [{"typed_extension_config": {
             "name": "envoy.load_balancing_policies." + policy,
             "typed_config": {"@type": "type.googleapis.com/" + name}}}]}
+        if policy == "ring_hash":
+            routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
+            inference = next(r for r in routes if r["route"]["cluster"] == "workers")
+            inference["route"]["hash_policy"] = [{"header": {"header_name": PREFIX_HASH_HEADER}}]
     for c in cfg["static_resources"]["clusters"]:
         eps = c["load_assignment"]["endpoints"][0]
         if c["name"] == "workers":

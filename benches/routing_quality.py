@@ -1,0 +1,244 @@
+#!/usr/bin/env python3
+"""Routing quality: the same workloads through the same Envoy binary and the simulated
+fleet, once per routing policy, side by side.
+
+Policies:
+  round_robin, least_request, random   Envoy's own load balancers (no kvroute filter)
+  prefix_hash                          Envoy ring_hash on x-prefix-hash, a hash of the prompt's
+                                       first --prefix-hash-blocks blocks (prefix affinity)
+  kvroute_w0, kvroute_w1, kvroute_wT   kvroute at overlap_weight 0, 1 and --tuned-weight
+  kvroute_wT_nopredict                 kvroute at the tuned weight, predict-on-route off
+
+Workloads (each run on a freshly reset fleet): shared prefix (uniform) at light, ~70% and
+~100% of the fleet's prefill capacity; shared prefix with Zipf popularity, multi-turn chat,
+the Mooncake trace and a burst workload at ~70%. "Capacity" is the fleet's rate of
+uncached prefills for the workload's prompts (no cache at all): load levels are the same
+offered load for every policy.
+
+    cargo build --release -p kvroute-sidecar -p kvroute-fleet
+    cargo build --target wasm32-unknown-unknown --release
+    python3 benches/routing_quality.py [--quick] [--out docs/routing-quality]
+
+Writes results.json (every run's summary), one TTFT-CDF SVG per workload, hit-rate-vs-load
+SVG, and prints the tables as Markdown.
+"""
+import argparse
+import json
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "integration"))
+from harness import FLEET, Envoy, MockEngine, Sidecar, free_port, render_config, wait_for  # noqa: E402
+
+TRACE = ROOT.parent / "shared" / "data" / "mooncake" / "conversation_trace.jsonl"
+# The mock engines' timing model (defaults): ms to start a prefill, ms per uncached token.
+PREFILL_OVERHEAD_MS, PREFILL_MS_PER_TOKEN = 30.0, 0.2
+
+
+def prefill_capacity(workers, prompt_tokens):
+    """Requests per second the fleet can prefill with nothing cached."""
+    return workers * 1000.0 / (PREFILL_OVERHEAD_MS + PREFILL_MS_PER_TOKEN * prompt_tokens)
+
+
+def policies(tuned):
+    t = f"{tuned:g}"
+    return [
+        ("round_robin", "round_robin", None),
+        ("least_request", "least_request", None),
+        ("random", "random", None),
+        ("prefix_hash", "ring_hash", None),
+        ("kvroute_w0", "kvroute", {"overlap_weight": 0.0}),
+        ("kvroute_w1", "kvroute", {"overlap_weight": 1.0}),
+        (f"kvroute_w{t}", "kvroute", {"overlap_weight": tuned}),
+        (f"kvroute_w{t}_nopredict", "kvroute", {"overlap_weight": tuned, "predict_on_route": False}),
+    ]
+
+
+def workloads(args):
+    """(name, load level, load-generator arguments). Rates are in model time here and
+    multiplied by the fleet's speed-up below."""
+    sp = ["--workload", "shared-prefix", "--groups", str(args.groups), "--prompts-per-group", str(args.per_group),
+          "--system-prompt-len", "2048", "--question-len", "64", "--output-len", "16"]
+    cap = prefill_capacity(args.workers, 2048 + 64)
+    out = [(f"shared_prefix_{name}", level, sp + ["--rate", f"{cap * level:.3f}"])
+           for name, level in (("light", 0.2), ("70", 0.7), ("100", 1.0))]
+    out.append(("zipf_70", 0.7, sp + ["--zipf", "1.1", "--rate", f"{cap * 0.7:.3f}"]))
+    # Bursts: each group's prompts at once; bursts spaced to the same average load.
+    out.append(("burst_70", 0.7, sp + ["--burst", "--rate", f"{cap * 0.7 / args.per_group:.3f}"]))
+    # Chat: 4 turns; the prompt grows by ~80 tokens a turn from 1024.
+    turns, first = 4, 1024
+    chat_cap = prefill_capacity(args.workers, first + 1.5 * 80)
+    out.append(("chat_70", 0.7, ["--workload", "chat", "--conversations", str(args.groups * 2), "--turns", str(turns),
+                                 "--system-prompt-len", str(first), "--question-len", "64", "--output-len", "16",
+                                 "--rate", f"{chat_cap * 0.7 / turns:.3f}"]))
+    # Mooncake: the first N requests, lengths ÷ 8; time-scaled to ~70% of capacity.
+    n, ls = args.trace_requests, 8.0
+    lines = [json.loads(x) for x in TRACE.read_text().splitlines()[:n]]
+    mean_len = sum(x["input_length"] for x in lines) / len(lines) / ls
+    span_s = (lines[-1]["timestamp"] - lines[0]["timestamp"]) / 1000.0
+    ts = 0.7 * prefill_capacity(args.workers, mean_len) * span_s / len(lines)
+    out.append(("mooncake_70", 0.7, ["--workload", "mooncake", "--trace", str(TRACE), "--requests", str(n),
+                                     "--length-scale", f"{ls:g}", "--time-scale", f"{ts:.3f}", "--output-len", "32"]))
+    if args.quick:
+        out = [w for w in out if w[0] in ("shared_prefix_70", "zipf_70")]
+    return [(name, level, wall_clock(a, args.speedup)) for name, level, a in out]
+
+
+def wall_clock(load_args, speedup):
+    """The fleet runs `speedup` times faster than model time: so must arrivals."""
+    a = list(load_args)
+    for flag in ("--rate", "--time-scale"):
+        if flag in a:
+            i = a.index(flag) + 1
+            a[i] = f"{float(a[i]) * speedup:.4f}"
+    return a
+
+
+def post(url):
+    with urllib.request.urlopen(urllib.request.Request(url, method="POST", data=b""), timeout=10) as r:
+        return r.status
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workers", type=int, default=8)
+    ap.add_argument("--groups", type=int, default=16)
+    ap.add_argument("--per-group", type=int, default=12)
+    ap.add_argument("--blocks", type=int, default=512, help="KV blocks per worker (16 tokens each)")
+    ap.add_argument("--speedup", type=float, default=5.0)
+    ap.add_argument("--tuned-weight", type=float, default=4.0)
+    ap.add_argument("--prefix-hash-blocks", type=int, default=8)
+    ap.add_argument("--trace-requests", type=int, default=200)
+    ap.add_argument("--quick", action="store_true", help="two workloads only")
+    ap.add_argument("--out", default=str(ROOT / "target" / "routing-quality"))
+    args = ap.parse_args()
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    running = []
+
+    def stop_all(*_):
+        for p in reversed(running):
+            try:
+                p.stop()
+            except Exception:  # noqa: BLE001 — best effort: stop the rest
+                pass
+        running.clear()
+
+    signal.signal(signal.SIGINT, lambda s, f: (stop_all(), sys.exit(130)))
+    signal.signal(signal.SIGTERM, lambda s, f: (stop_all(), sys.exit(143)))
+    t_start = time.time()
+    results = []
+    try:
+        engines, specs = [], []
+        for _ in range(args.workers):
+            ev, rp = free_port(), free_port()
+            e = MockEngine(events=f"tcp://*:{ev}", replay=f"tcp://*:{rp}",
+                           args=["--num-gpu-blocks", str(args.blocks), "--speedup", str(args.speedup)])
+            running.append(e)
+            engines.append(e)
+            specs.append((e.id, f"tcp://127.0.0.1:{ev}", f"tcp://127.0.0.1:{rp}", "both"))
+        sidecar = Sidecar(specs)
+        running.append(sidecar)
+        time.sleep(0.5)
+        port = free_port()
+        for wname, level, wargs in workloads(args):
+            for label, policy, fcfg in policies(args.tuned_weight):
+                for e in engines:
+                    post(f"http://{e.id}/reset_prefix_cache")
+                wait_for(lambda: all(sidecar.block_count(e.id) == 0 for e in engines), what="fresh fleet")
+                filter_cfg = {"token_header": "x-prompt-token-ids", "block_size": 16}
+                filter_cfg.update(fcfg or {})
+                cfg, lp, adm = render_config(engines, sidecar.port, filter_cfg, listener_port=port, policy=policy,
+                                             sync_config={"poll_timeout_ms": 5000, "stale_after_ms": 15000})
+                envoy = Envoy(cfg, lp, adm, concurrency=2)
+                running.append(envoy)
+                if policy == "kvroute":
+                    v = sidecar.json("/v1/admin/workers")[1]["version"]
+                    wait_for(lambda: envoy.stat("kvroute_sync.version") >= v, what="envoy synced")
+                path = out / f"{wname}.{label}.json"
+                cmd = [str(FLEET), "load", "--target", f"127.0.0.1:{port}", "--label", label, "--seed", "7",
+                       "--json", str(path), "--quiet", "--prefix-hash-blocks", str(args.prefix_hash_blocks), *wargs]
+                for e in engines:
+                    cmd += ["--engine", e.id]
+                t0 = time.time()
+                subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+                envoy.stop()
+                running.remove(envoy)
+                r = json.loads(path.read_text())
+                samples = r.pop("samples")
+                r.update({"workload": wname, "load": level, "policy": label, "wall_s": round(time.time() - t0, 1),
+                          "speedup": args.speedup})
+                results.append(r)
+                print(f"{wname:18} {label:26} hit {r['hit_rate']:.2f}/{r['oracle_hit_rate']:.2f} "
+                      f"ttft p50 {r['ttft_ms']['p50'] * args.speedup:7.0f} p99 {r['ttft_ms']['p99'] * args.speedup:7.0f} ms "
+                      f"failed {r['failed']}", flush=True)
+                # Keep the samples for the CDF plot.
+                (out / f"{wname}.{label}.samples.json").write_text(json.dumps(
+                    {"label": label, "samples": [{"ok": s["ok"], "ttft_ms": s["ttft_ms"] * args.speedup} for s in samples]}))
+                path.unlink()
+            subprocess.run([str(FLEET), "plot", *[str(out / f"{wname}.{p[0]}.samples.json")
+                                                   for p in policies(args.tuned_weight)],
+                            "--out", str(out / f"ttft-{wname}.svg"),
+                            "--title", f"TTFT, {wname} (model time)"], check=True)
+    finally:
+        stop_all()
+    (out / "results.json").write_text(json.dumps({"config": vars(args), "wall_s": round(time.time() - t_start),
+                                                  "runs": results}, indent=1))
+    print(markdown(results, args))
+    (out / "hit-rate-vs-load.svg").write_text(hit_rate_svg(results))
+    print(f"\n{len(results)} runs in {time.time() - t_start:.0f} s; results in {out}")
+
+
+def markdown(results, args):
+    lines = []
+    for w in dict.fromkeys(r["workload"] for r in results):
+        rs = [r for r in results if r["workload"] == w]
+        lines.append(f"\n**{w}** (oracle hit rate {rs[0]['oracle_hit_rate']:.2f})\n")
+        lines.append("| policy | hit rate | ÷ oracle | TTFT p50 | p90 | p99 | e2e p50 | p99 | req/s | busy max/mean | failed |")
+        lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for r in rs:
+            s = args.speedup
+            orc = r["oracle_hit_rate"] or 1
+            lines.append(f"| {r['policy']} | {r['hit_rate']:.2f} | {r['hit_rate'] / orc:.2f} | "
+                         f"{r['ttft_ms']['p50'] * s:.0f} | {r['ttft_ms']['p90'] * s:.0f} | {r['ttft_ms']['p99'] * s:.0f} | "
+                         f"{r['e2e_ms']['p50'] * s:.0f} | {r['e2e_ms']['p99'] * s:.0f} | "
+                         f"{r['throughput_rps'] / s:.1f} | {r['busy_imbalance']:.2f} | {r['failed']} |")
+    return "\n".join(lines)
+
+
+def hit_rate_svg(results):
+    """Hit rate against offered load, one line per policy (shared prefix, uniform)."""
+    rs = [r for r in results if r["workload"].startswith("shared_prefix_")]
+    pols = list(dict.fromkeys(r["policy"] for r in rs))
+    colors = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f"]
+    w, h, l, b, t = 640, 380, 60, 50, 30
+    x = lambda v: l + v / 1.0 * (w - l - 200)  # noqa: E731
+    y = lambda v: h - b - v * (h - b - t)  # noqa: E731
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="12">'
+             '<rect width="100%" height="100%" fill="white"/>'
+             f'<text x="{(w - 200) / 2}" y="18" text-anchor="middle" font-size="14">Prefix cache hit rate vs load (shared prefix)</text>']
+    for v in (0, 0.25, 0.5, 0.75, 1.0):
+        parts.append(f'<line x1="{l}" x2="{w - 200}" y1="{y(v):.1f}" y2="{y(v):.1f}" stroke="#ddd"/>'
+                     f'<text x="{l - 6}" y="{y(v) + 4:.1f}" text-anchor="end">{v:.0%}</text>')
+    for v in (0.2, 0.7, 1.0):
+        parts.append(f'<text x="{x(v):.1f}" y="{h - b + 16}" text-anchor="middle">{v:.0%}</text>')
+    parts.append(f'<text x="{(l + w - 200) / 2}" y="{h - 12}" text-anchor="middle">offered load (of uncached prefill capacity)</text>')
+    for i, p in enumerate(pols):
+        pts = sorted((r["load"], r["hit_rate"]) for r in rs if r["policy"] == p)
+        c = colors[i % len(colors)]
+        parts.append(f'<polyline fill="none" stroke="{c}" stroke-width="2" points="'
+                     + " ".join(f"{x(a):.1f},{y(v):.1f}" for a, v in pts) + '"/>')
+        parts.append(f'<rect x="{w - 190}" y="{t + i * 18}" width="14" height="4" fill="{c}"/>'
+                     f'<text x="{w - 170}" y="{t + i * 18 + 6}">{p}</text>')
+    parts.append("</svg>\n")
+    return "".join(parts)
+
+
+if __name__ == "__main__":
+    main()
