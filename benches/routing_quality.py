@@ -68,6 +68,12 @@ def workloads(args):
     out = [(f"shared_prefix_{name}", level, sp + ["--rate", f"{cap * level:.3f}"])
            for name, level in (("light", 0.2), ("70", 0.7), ("100", 1.0))]
     out.append(("zipf_70", 0.7, sp + ["--zipf", "1.1", "--rate", f"{cap * 0.7:.3f}"]))
+    # Hot prefixes with real work behind them (RAG-like: 1024-token questions), popularity
+    # steep enough (s = 1.5: the top group gets ~45%) that one worker cannot serve the
+    # hottest group alone: what pinning a prefix to one worker costs.
+    hot = [x if x != "64" else "1024" for x in sp]
+    hot_cap = prefill_capacity(args.workers, 2048 + 1024)
+    out.append(("zipf_hot_70", 0.7, hot + ["--zipf", "1.5", "--rate", f"{hot_cap * 0.7:.3f}"]))
     # Bursts: each group's prompts at once; bursts spaced to the same average load.
     out.append(("burst_70", 0.7, sp + ["--burst", "--rate", f"{cap * 0.7 / args.per_group:.3f}"]))
     # Chat: 4 turns; the prompt grows by ~80 tokens a turn from 1024.
@@ -82,11 +88,26 @@ def workloads(args):
     mean_len = sum(x["input_length"] for x in lines) / len(lines) / ls
     span_s = (lines[-1]["timestamp"] - lines[0]["timestamp"]) / 1000.0
     ts = 0.7 * prefill_capacity(args.workers, mean_len) * span_s / len(lines)
-    out.append(("mooncake_70", 0.7, ["--workload", "mooncake", "--trace", str(TRACE), "--requests", str(n),
+    # Conversations come back minutes later: the engines get a realistic cache (8192 blocks,
+    # 128k tokens) for this one, or every policy only sees evictions.
+    out.append(("mooncake_70", 0.7, ["--blocks", "8192", "--workload", "mooncake", "--trace", str(TRACE), "--requests", str(n),
                                      "--length-scale", f"{ls:g}", "--time-scale", f"{ts:.3f}", "--output-len", "32"]))
     if args.quick:
         out = [w for w in out if w[0] in ("shared_prefix_70", "zipf_70")]
+    if args.workloads:
+        out = [w for w in out if w[0] in args.workloads.split(",")]
     return [(name, level, wall_clock(a, args.speedup)) for name, level, a in out]
+
+
+def fleet_blocks(load_args, default):
+    """A workload may ask for another cache size (`--blocks N`, taken out of its load
+    arguments)."""
+    if "--blocks" in load_args:
+        i = load_args.index("--blocks")
+        n = int(load_args[i + 1])
+        del load_args[i:i + 2]
+        return n
+    return default
 
 
 def wall_clock(load_args, speedup):
@@ -113,8 +134,9 @@ def main():
     ap.add_argument("--speedup", type=float, default=5.0)
     ap.add_argument("--tuned-weight", type=float, default=4.0)
     ap.add_argument("--prefix-hash-blocks", type=int, default=8)
-    ap.add_argument("--trace-requests", type=int, default=200)
+    ap.add_argument("--trace-requests", type=int, default=2000)
     ap.add_argument("--quick", action="store_true", help="two workloads only")
+    ap.add_argument("--workloads", help="comma-separated workload names to run (results merge into results.json)")
     ap.add_argument("--out", default=str(ROOT / "target" / "routing-quality"))
     args = ap.parse_args()
     out = pathlib.Path(args.out)
@@ -134,20 +156,34 @@ def main():
     signal.signal(signal.SIGTERM, lambda s, f: (stop_all(), sys.exit(143)))
     t_start = time.time()
     results = []
-    try:
+    fleet = {"blocks": None, "engines": [], "sidecar": None}
+
+    def start_fleet(blocks):
+        """(Re)starts the engines and the sidecar with `blocks` KV blocks per engine."""
+        for p in [fleet["sidecar"], *fleet["engines"]]:
+            if p is not None:
+                p.stop()
+                running.remove(p)
         engines, specs = [], []
         for _ in range(args.workers):
             ev, rp = free_port(), free_port()
             e = MockEngine(events=f"tcp://*:{ev}", replay=f"tcp://*:{rp}",
-                           args=["--num-gpu-blocks", str(args.blocks), "--speedup", str(args.speedup)])
+                           args=["--num-gpu-blocks", str(blocks), "--speedup", str(args.speedup)])
             running.append(e)
             engines.append(e)
             specs.append((e.id, f"tcp://127.0.0.1:{ev}", f"tcp://127.0.0.1:{rp}", "both"))
         sidecar = Sidecar(specs)
         running.append(sidecar)
         time.sleep(0.5)
+        fleet.update(blocks=blocks, engines=engines, sidecar=sidecar)
+
+    try:
         port = free_port()
         for wname, level, wargs in workloads(args):
+            blocks = fleet_blocks(wargs, args.blocks)
+            if fleet["blocks"] != blocks:
+                start_fleet(blocks)
+            engines, sidecar = fleet["engines"], fleet["sidecar"]
             for label, policy, fcfg in policies(args.tuned_weight):
                 for e in engines:
                     post(f"http://{e.id}/reset_prefix_cache")
@@ -173,7 +209,7 @@ def main():
                 r = json.loads(path.read_text())
                 samples = r.pop("samples")
                 r.update({"workload": wname, "load": level, "policy": label, "wall_s": round(time.time() - t0, 1),
-                          "speedup": args.speedup})
+                          "speedup": args.speedup, "blocks_per_worker": blocks})
                 results.append(r)
                 print(f"{wname:18} {label:26} hit {r['hit_rate']:.2f}/{r['oracle_hit_rate']:.2f} "
                       f"ttft p50 {r['ttft_ms']['p50'] * args.speedup:7.0f} p99 {r['ttft_ms']['p99'] * args.speedup:7.0f} ms "
@@ -182,12 +218,18 @@ def main():
                 (out / f"{wname}.{label}.samples.json").write_text(json.dumps(
                     {"label": label, "samples": [{"ok": s["ok"], "ttft_ms": s["ttft_ms"] * args.speedup} for s in samples]}))
                 path.unlink()
-            subprocess.run([str(FLEET), "plot", *[str(out / f"{wname}.{p[0]}.samples.json")
-                                                   for p in policies(args.tuned_weight)],
-                            "--out", str(out / f"ttft-{wname}.svg"),
+            sample_files = [out / f"{wname}.{p[0]}.samples.json" for p in policies(args.tuned_weight)]
+            subprocess.run([str(FLEET), "plot", *map(str, sample_files), "--out", str(out / f"ttft-{wname}.svg"),
                             "--title", f"TTFT, {wname} (model time)"], check=True)
+            for f in sample_files:  # the plot has them; results.json keeps the summaries
+                f.unlink()
     finally:
         stop_all()
+    # Runs of other workloads from an earlier invocation are kept.
+    previous = out / "results.json"
+    if previous.exists() and args.workloads:
+        ran = {r["workload"] for r in results}
+        results = [r for r in json.loads(previous.read_text())["runs"] if r["workload"] not in ran] + results
     (out / "results.json").write_text(json.dumps({"config": vars(args), "wall_s": round(time.time() - t_start),
                                                   "runs": results}, indent=1))
     print(markdown(results, args))
