@@ -21,7 +21,9 @@ const CHAIN_TOKENS: usize = 2048; // a cached conversation: 128 blocks
 const PAGE: usize = 1_000_000;
 
 fn tokens(chain: u64, n: usize) -> Vec<u32> {
-    (0..n as u64).map(|i| 1000 + ((chain.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ i.wrapping_mul(40_503)) % 30_000) as u32).collect()
+    (0..n as u64)
+        .map(|i| 1000 + ((chain.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ i.wrapping_mul(40_503)) % 30_000) as u32)
+        .collect()
 }
 
 struct Point {
@@ -36,8 +38,13 @@ struct Point {
 
 fn run(workers: usize, entries: usize) -> Point {
     let chains = entries.div_ceil(CHAIN_TOKENS / 16);
-    let feed_workers: Vec<FeedWorker> =
-        (0..workers).map(|i| FeedWorker { id: format!("10.{}.{}.{}:8000", i / 65536, (i / 256) % 256, i % 256), role: Role::Both, up: true }).collect();
+    let feed_workers: Vec<FeedWorker> = (0..workers)
+        .map(|i| FeedWorker {
+            id: format!("10.{}.{}.{}:8000", i / 65536, (i / 256) % 256, i % 256),
+            role: Role::Both,
+            up: true,
+        })
+        .collect();
     // Conversation c is cached on worker c % workers.
     let mut pages: Vec<Vec<Op>> = vec![Vec::new()];
     let mut in_page = 0;
