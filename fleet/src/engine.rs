@@ -181,11 +181,14 @@ impl Engine {
         self.waiting.is_empty() && self.prefilling.is_empty() && self.running.is_empty()
     }
 
-    /// Moves waiting requests into the prefill queue while the cache can take them (FIFO:
-    /// the head blocks the rest, as vLLM's scheduler does). Requests that could never fit
-    /// are rejected.
+    /// Schedules the next waiting request's prefill once the previous one is done (one
+    /// prefill at a time, FIFO: the head blocks the rest, as vLLM's scheduler does).
+    /// Its cache hits are looked up then, as vLLM does when it schedules a request — so a
+    /// request queued behind another with the same prefix finds that prefix computed.
+    /// Requests that could never fit are rejected.
     fn admit(&mut self, out: &mut Vec<Output>) {
-        while let Some(req) = self.waiting.front() {
+        while self.prefilling.is_empty() {
+            let Some(req) = self.waiting.front() else { break };
             let bs = self.cache.block_size();
             let total = (req.prompt.len() + req.max_tokens).div_ceil(bs);
             if !self.cache.fits(total) {
@@ -356,6 +359,19 @@ mod tests {
         assert_eq!(tokens_of_1, 2); // first token from the prefill, then 2 decode steps
         assert!(out.contains(&Output::Finished { id: 1 }) && out.contains(&Output::Finished { id: 2 }));
         assert!(e.is_idle());
+    }
+
+    #[test]
+    fn a_request_queued_behind_the_same_prefix_finds_it_cached() {
+        let mut e = engine();
+        let mut a = req(1, 1, 1000, 1);
+        let mut b = req(2, 1, 1000, 1);
+        a.prompt.push(7);
+        b.prompt.push(8);
+        e.submit(a);
+        e.submit(b); // arrives together with a (a burst)
+        let (f, _) = run(&mut e);
+        assert_eq!((f[0].2, f[1].2), (0, 992), "the second one's prefill starts after the first's");
     }
 
     #[test]
