@@ -195,10 +195,15 @@ impl Fleet {
     /// Forgets what DP rank `rank` of worker `w` holds, to rebuild it from later events.
     pub fn reset_rank(&mut self, w: usize, rank: usize, reason: ResetReason) {
         let Some(worker) = self.workers.get_mut(w) else { return };
+        let mut n = 0;
         if let Some(i) = ResetReason::ALL.iter().position(|r| *r == reason) {
             self.stats.resets[i] += 1;
+            n = self.stats.resets[i];
         }
-        log::warn!("worker {} rank {rank}: cleared and rebuilding ({})", worker.config.id, reason.label());
+        // Counted always; logged at the 1st, 2nd, 4th… reset for a reason (no floods).
+        if n.is_power_of_two() {
+            log::warn!("worker {} rank {rank}: cleared and rebuilding ({}, #{n})", worker.config.id, reason.label());
+        }
         let mut changes = std::mem::take(&mut self.changes);
         let changed = Self::clear_into(&mut self.log, self.version + 1, w, worker, rank, &mut changes);
         self.changes = changes;

@@ -58,6 +58,16 @@ struct Stream {
     replay: Option<Replay>,
     /// Live messages held while a replay runs.
     pending: VecDeque<(u64, Vec<u8>)>,
+    /// Problems seen on this stream; each is counted in the metrics, but logged only at
+    /// the 1st, 2nd, 4th, 8th… occurrence, so a stream of garbage cannot flood the log.
+    problems: u64,
+}
+
+impl Stream {
+    fn should_log(&mut self) -> bool {
+        self.problems += 1;
+        self.problems.is_power_of_two()
+    }
 }
 
 pub struct Ingest {
@@ -100,6 +110,7 @@ impl Ingest {
                     expected: None,
                     replay: None,
                     pending: VecDeque::new(),
+                    problems: 0,
                 });
             }
         }
@@ -170,7 +181,13 @@ impl Ingest {
             };
             let Some((seq, payload)) = envelope(msg, 3) else {
                 lock(&self.fleet).stats.frames_bad += 1;
-                log::debug!("{}: dropped a message that is not [topic, seq, payload]", self.streams[i].label);
+                if self.streams[i].should_log() {
+                    log::warn!(
+                        "{}: dropped a message that is not [topic, seq, payload] (problem #{})",
+                        self.streams[i].label,
+                        self.streams[i].problems
+                    );
+                }
                 continue;
             };
             self.live(i, seq, payload);
@@ -200,7 +217,9 @@ impl Ingest {
             Some(e) if seq == e => self.apply(i, seq, &payload),
             Some(e) if seq > e => {
                 lock(&self.fleet).stats.gaps += 1;
-                log::warn!("{}: sequence gap, expected {e}, got {seq}", s.label);
+                if self.streams[i].should_log() {
+                    log::warn!("{}: sequence gap, expected {e}, got {seq}", self.streams[i].label);
+                }
                 if !self.start_replay(i, e, false) {
                     self.reset(i, ResetReason::GapNotReplayed);
                     self.apply(i, seq, &payload);
@@ -209,7 +228,9 @@ impl Ingest {
                 self.streams[i].pending.push_back((seq, payload));
             }
             Some(e) => {
-                log::warn!("{}: sequence went back from {e} to {seq}: publisher restarted", s.label);
+                if self.streams[i].should_log() {
+                    log::warn!("{}: sequence went back from {e} to {seq}: publisher restarted", self.streams[i].label);
+                }
                 self.reset(i, ResetReason::PublisherRestart);
                 self.streams[i].expected = None;
                 self.live(i, seq, payload);
@@ -232,7 +253,9 @@ impl Ingest {
         match decode_batch(payload) {
             Ok(batch) => lock(&self.fleet).apply_batch(w, rank, seq, &batch, Instant::now(), unix_now()),
             Err(e) => {
-                log::warn!("{}: batch {seq} does not decode ({e}); clearing", s.label);
+                if s.should_log() {
+                    log::warn!("{}: batch {seq} does not decode ({e}); clearing (problem #{})", s.label, s.problems);
+                }
                 let mut f = lock(&self.fleet);
                 f.stats.batches_bad += 1;
                 f.reset_rank(w, rank, ResetReason::UndecodableBatch);
