@@ -17,6 +17,7 @@ use crate::score::{rank, worker_key, Candidate, Scored};
 use crate::slots::{SlotSet, MAX_SLOTS};
 use crate::tokens::{decode_tokens, TokenEncoding, TokenError};
 use std::fmt::Write as _;
+use std::rc::Rc;
 
 /// A shared-data write that did not happen.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -161,12 +162,24 @@ pub enum TokenSource<'a> {
     },
 }
 
-/// Per-VM routing state: the configuration and scratch buffers reused across requests.
+/// Per-VM routing state: the configuration, the last worker table decoded, and scratch
+/// buffers reused across requests.
 pub struct Router {
     cfg: FilterConfig,
     token_bytes: Vec<u8>,
     candidates: Vec<Candidate>,
     scored: Vec<Scored>,
+    table: Option<Rc<DecodedTable>>,
+}
+
+/// A worker table as read from shared data, decoded once: it changes only when the fleet
+/// does, and decoding it (every worker id) and hashing the ids for tie-breaks would
+/// otherwise cost each request time linear in the fleet.
+struct DecodedTable {
+    bytes: Vec<u8>,
+    table: WorkerTable,
+    /// [`worker_key`] of each slot.
+    keys: Vec<u64>,
 }
 
 struct ScannedBucket {
@@ -176,7 +189,36 @@ struct ScannedBucket {
 
 impl Router {
     pub fn new(cfg: FilterConfig) -> Router {
-        Router { cfg, token_bytes: Vec::new(), candidates: Vec::new(), scored: Vec::new() }
+        Router { cfg, token_bytes: Vec::new(), candidates: Vec::new(), scored: Vec::new(), table: None }
+    }
+
+    /// The worker table in shared data, decoded (or the cached decoding when the bytes are
+    /// the same); `None` with the fallback set when there is none or it does not decode.
+    fn read_table(&mut self, store: &dyn SharedStore, d: &mut Decision) -> Option<Rc<DecodedTable>> {
+        d.shared_reads += 1;
+        let bytes = match store.get(TABLE_KEY) {
+            Ok((Some(v), _)) if !v.is_empty() => v,
+            _ => {
+                d.fallback = Some(Fallback::NoTable);
+                return None;
+            }
+        };
+        if let Some(t) = self.table.as_ref().filter(|t| t.bytes == bytes) {
+            return Some(t.clone());
+        }
+        match WorkerTable::decode(&bytes) {
+            Ok(table) => {
+                let keys = table.slots.iter().map(|s| worker_key(&s.id)).collect();
+                let t = Rc::new(DecodedTable { bytes, table, keys });
+                self.table = Some(t.clone());
+                Some(t)
+            }
+            Err(_) => {
+                d.layout_errors += 1;
+                d.fallback = Some(Fallback::NoTable);
+                None
+            }
+        }
     }
 
     /// Decides where a request goes and records its blocks as in flight there.
@@ -184,8 +226,9 @@ impl Router {
     /// ties for requests without blocks.
     pub fn route(&mut self, store: &dyn SharedStore, tokens: TokenSource<'_>, now_ms: u64, entropy: u64) -> Decision {
         let mut d = Decision::default();
-        let Some(table) = read_table(store, &mut d) else { return d };
-        let hashes = self.prompt_hashes(tokens, &table, &mut d);
+        let Some(decoded) = self.read_table(store, &mut d) else { return d };
+        let table = &decoded.table;
+        let hashes = self.prompt_hashes(tokens, table, &mut d);
         d.shared_reads += 1;
         let load = match store.get(LOAD_KEY) {
             Ok((v, cas)) => (LoadVector::decode(v.as_deref().unwrap_or(&[])), cas),
@@ -193,8 +236,8 @@ impl Router {
         };
 
         let (decode_set, prefill_set) = match self.cfg.mode {
-            Mode::Aggregated => (up_slots(&table, |r| r == Role::Both), SlotSet::EMPTY),
-            Mode::Pd => (up_slots(&table, Role::can_decode), up_slots(&table, Role::can_prefill)),
+            Mode::Aggregated => (up_slots(table, |r| r == Role::Both), SlotSet::EMPTY),
+            Mode::Pd => (up_slots(table, Role::can_decode), up_slots(table, Role::can_prefill)),
         };
         if decode_set.is_empty() {
             d.fallback = Some(Fallback::NoWorkerUp);
@@ -209,7 +252,7 @@ impl Router {
                 candidates.insert(s);
             }
         }
-        let (hits, scanned) = self.scan(store, &hashes, candidates, &table, now_ms, &mut d);
+        let (hits, scanned) = self.scan(store, &hashes, candidates, table, now_ms, &mut d);
         let hits = &hits;
 
         // Choose: in PD mode the prefill worker first, then the destination list.
@@ -220,7 +263,7 @@ impl Router {
                 d.fallback.get_or_insert(Fallback::NoPrefillWorker);
             } else {
                 self.rank_set(
-                    &table,
+                    &decoded.keys,
                     &prefill_set,
                     hits,
                     &load.0,
@@ -238,7 +281,7 @@ impl Router {
             Mode::Aggregated => self.cfg.overlap_weight,
             Mode::Pd => self.cfg.decode_overlap_weight,
         };
-        self.rank_set(&table, &decode_set, hits, &load.0, weight, d.request_blocks, request_key);
+        self.rank_set(&decoded.keys, &decode_set, hits, &load.0, weight, d.request_blocks, request_key);
         for s in self.scored.iter().take(self.cfg.max_endpoints) {
             d.destinations.push(table.slots[s.candidate.slot].id.clone());
         }
@@ -332,7 +375,7 @@ impl Router {
     #[allow(clippy::too_many_arguments)]
     fn rank_set(
         &mut self,
-        table: &WorkerTable,
+        keys: &[u64],
         set: &SlotSet,
         hits: &Hits,
         load: &LoadVector,
@@ -347,7 +390,7 @@ impl Router {
                 cache_hits: hits.leading.get(slot).copied().unwrap_or(0),
                 offloaded_hits: hits.offloaded.get(slot).copied().unwrap_or(0),
                 active_blocks: load.get(slot),
-                worker_key: worker_key(&table.slots[slot].id),
+                worker_key: keys.get(slot).copied().unwrap_or(0),
             });
         }
         let credit = self.cfg.offload_hit_credit;
@@ -439,24 +482,6 @@ impl Router {
 }
 
 /// The worker table, or none with the reason in `d.fallback`.
-fn read_table(store: &dyn SharedStore, d: &mut Decision) -> Option<WorkerTable> {
-    d.shared_reads += 1;
-    match store.get(TABLE_KEY) {
-        Ok((Some(v), _)) if !v.is_empty() => match WorkerTable::decode(&v) {
-            Ok(t) => Some(t),
-            Err(_) => {
-                d.layout_errors += 1;
-                d.fallback = Some(Fallback::NoTable);
-                None
-            }
-        },
-        _ => {
-            d.fallback = Some(Fallback::NoTable);
-            None
-        }
-    }
-}
-
 /// Slots that are up and whose role passes `role_ok`.
 fn up_slots(table: &WorkerTable, role_ok: fn(Role) -> bool) -> SlotSet {
     let mut s = SlotSet::EMPTY;
