@@ -247,6 +247,29 @@ fn down_workers_are_never_chosen() {
 }
 
 #[test]
+fn a_changed_worker_table_is_seen_at_once() {
+    // The router caches the decoded table; a worker going down must still take effect on
+    // the very next request.
+    let p = prompt(1, 160);
+    let (store, mut ix) = fleet(3, vec![Op::Store { worker: 0, blocks: feed_blocks(&p) }]);
+    let mut r = Router::new(cfg(r#"{"max_endpoints": 16, "predict_on_route": false}"#));
+    let d = route(&mut r, &store, &p, 0);
+    assert_eq!(d.destinations[0], "10.0.0.0:8000");
+    r.release(&store, &d.held, 1);
+    let mut ws = workers(3);
+    ws[0].up = false;
+    let delta = Frame {
+        kind: crate::feed::FrameKind::Delta,
+        from_version: 1,
+        to_version: 2,
+        ..Frame::snapshot(1, 2, 16, ws, vec![])
+    };
+    sync_write(&store, &mut ix, &delta);
+    let d = route(&mut r, &store, &p, 2);
+    assert!(!d.destinations.iter().any(|w| w == "10.0.0.0:8000"), "{:?}", d.destinations);
+}
+
+#[test]
 fn fallbacks() {
     let mut r = Router::new(cfg("{}"));
     let empty = MemStore::default();
