@@ -25,15 +25,14 @@ SVG, and prints the tables as Markdown.
 import argparse
 import json
 import pathlib
-import signal
 import subprocess
 import sys
 import time
-import urllib.request
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "integration"))
-from harness import FLEET, Envoy, MockEngine, Sidecar, free_port, render_config, wait_for  # noqa: E402
+from harness import (FLEET, Envoy, Processes, free_port, render_config, reset_fleet,  # noqa: E402
+                     start_fleet, wait_for)
 
 TRACE = ROOT.parent / "shared" / "data" / "mooncake" / "conversation_trace.jsonl"
 # The mock engines' timing model (defaults): ms to start a prefill, ms per uncached token.
@@ -123,11 +122,6 @@ def wall_clock(load_args, speedup):
     return a
 
 
-def post(url):
-    with urllib.request.urlopen(urllib.request.Request(url, method="POST", data=b""), timeout=10) as r:
-        return r.status
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workers", type=int, default=8)
@@ -145,58 +139,29 @@ def main():
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    running = []
-
-    def stop_all(*_):
-        for p in reversed(running):
-            try:
-                p.stop()
-            except Exception:  # noqa: BLE001 — best effort: stop the rest
-                pass
-        running.clear()
-
-    signal.signal(signal.SIGINT, lambda s, f: (stop_all(), sys.exit(130)))
-    signal.signal(signal.SIGTERM, lambda s, f: (stop_all(), sys.exit(143)))
+    procs = Processes()
     t_start = time.time()
     results = []
     fleet = {"blocks": None, "engines": [], "sidecar": None}
-
-    def start_fleet(blocks):
-        """(Re)starts the engines and the sidecar with `blocks` KV blocks per engine."""
-        for p in [fleet["sidecar"], *fleet["engines"]]:
-            if p is not None:
-                p.stop()
-                running.remove(p)
-        engines, specs = [], []
-        for _ in range(args.workers):
-            ev, rp = free_port(), free_port()
-            e = MockEngine(events=f"tcp://*:{ev}", replay=f"tcp://*:{rp}",
-                           args=["--num-gpu-blocks", str(blocks), "--speedup", str(args.speedup)])
-            running.append(e)
-            engines.append(e)
-            specs.append((e.id, f"tcp://127.0.0.1:{ev}", f"tcp://127.0.0.1:{rp}", "both"))
-        sidecar = Sidecar(specs)
-        running.append(sidecar)
-        time.sleep(0.5)
-        fleet.update(blocks=blocks, engines=engines, sidecar=sidecar)
-
     try:
         port = free_port()
         for wname, level, wargs in workloads(args):
             blocks = fleet_blocks(wargs, args.blocks)
             if fleet["blocks"] != blocks:
-                start_fleet(blocks)
+                # Another cache size: a new fleet.
+                for p in [fleet["sidecar"], *fleet["engines"]]:
+                    if p is not None:
+                        procs.stop(p)
+                engines, sidecar = start_fleet(procs, args.workers, blocks, args.speedup)
+                fleet.update(blocks=blocks, engines=engines, sidecar=sidecar)
             engines, sidecar = fleet["engines"], fleet["sidecar"]
             for label, policy, fcfg in policies(args.tuned_weight):
-                for e in engines:
-                    post(f"http://{e.id}/reset_prefix_cache")
-                wait_for(lambda: all(sidecar.block_count(e.id) == 0 for e in engines), what="fresh fleet")
+                reset_fleet(engines, sidecar)
                 filter_cfg = {"token_header": "x-prompt-token-ids", "block_size": 16}
                 filter_cfg.update(fcfg or {})
                 cfg, lp, adm = render_config(engines, sidecar.port, filter_cfg, listener_port=port, policy=policy,
                                              sync_config={"poll_timeout_ms": 5000, "stale_after_ms": 15000})
-                envoy = Envoy(cfg, lp, adm, concurrency=2)
-                running.append(envoy)
+                envoy = procs.add(Envoy(cfg, lp, adm, concurrency=2))
                 if policy == "kvroute":
                     v = sidecar.json("/v1/admin/workers")[1]["version"]
                     wait_for(lambda: envoy.stat("kvroute_sync.version") >= v, what="envoy synced")
@@ -207,8 +172,7 @@ def main():
                     cmd += ["--engine", e.id]
                 t0 = time.time()
                 subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-                envoy.stop()
-                running.remove(envoy)
+                procs.stop(envoy)
                 r = json.loads(path.read_text())
                 samples = r.pop("samples")
                 r.update({"workload": wname, "load": level, "policy": label, "wall_s": round(time.time() - t0, 1),
@@ -227,7 +191,7 @@ def main():
             for f in sample_files:  # the plot has them; results.json keeps the summaries
                 f.unlink()
     finally:
-        stop_all()
+        procs.stop_all()
     # Runs of other workloads from an earlier invocation are kept.
     previous = out / "results.json"
     if previous.exists() and args.workloads:

@@ -16,22 +16,14 @@ What runs (all on loopback, stopped at the end and on Ctrl-C):
 import argparse
 import json
 import pathlib
-import signal
 import subprocess
 import sys
-import tempfile
-import time
 import urllib.request
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "integration"))
-from harness import FLEET, Envoy, MockEngine, Sidecar, free_port, render_config, wait_for  # noqa: E402
-
-
-def post(url):
-    req = urllib.request.Request(url, method="POST", data=b"")
-    with urllib.request.urlopen(req, timeout=10) as r:
-        return r.status
+from harness import (FLEET, Envoy, Processes, render_config, reset_fleet, start_fleet,  # noqa: E402
+                     wait_for)
 
 
 def run_load(args, label, engines, out_dir):
@@ -65,48 +57,19 @@ def main():
     out_dir = pathlib.Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    running = []
-
-    def stop_all(*_):
-        for p in reversed(running):
-            try:
-                p.stop()
-            except Exception:  # noqa: BLE001 — best effort: stop the rest
-                pass
-        running.clear()
-
-    def on_signal(signum, _frame):
-        stop_all()
-        sys.exit(128 + signum)
-
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
-
+    procs = Processes()
     try:
         print(f"starting {args.workers} mock engines ({args.blocks} KV blocks each, {args.speedup}x real time), "
               "the sidecar and Envoy on :%d ..." % args.port, flush=True)
-        engines, specs = [], []
-        for _ in range(args.workers):
-            ev, rp = free_port(), free_port()
-            e = MockEngine(events=f"tcp://*:{ev}", replay=f"tcp://*:{rp}",
-                           args=["--num-gpu-blocks", str(args.blocks), "--speedup", str(args.speedup)])
-            running.append(e)
-            engines.append(e)
-            specs.append((e.id, f"tcp://127.0.0.1:{ev}", f"tcp://127.0.0.1:{rp}", "both"))
-        sidecar = Sidecar(specs)
-        running.append(sidecar)
-        time.sleep(0.5)
+        engines, sidecar = start_fleet(procs, args.workers, args.blocks, args.speedup)
 
         results = {}
         for policy in ("kvroute", "round_robin"):
-            for e in engines:
-                post(f"http://{e.id}/reset_prefix_cache")  # every policy starts cold
-            wait_for(lambda: all(sidecar.block_count(e.id) == 0 for e in engines), what="caches empty")
+            reset_fleet(engines, sidecar)  # every policy starts cold
             filter_cfg = {"token_header": "x-prompt-token-ids", "overlap_weight": args.overlap_weight, "block_size": 16}
             cfg, lp, ap_ = render_config(engines, sidecar.port, filter_cfg, listener_port=args.port, policy=policy,
                                          sync_config={"poll_timeout_ms": 5000, "stale_after_ms": 15000})
-            envoy = Envoy(cfg, lp, ap_, concurrency=2)
-            running.append(envoy)
+            envoy = procs.add(Envoy(cfg, lp, ap_, concurrency=2))
             if policy == "kvroute":
                 v = sidecar.json("/v1/admin/workers")[1]["version"]
                 wait_for(lambda: envoy.stat("kvroute_sync.version") >= v, what="envoy synced")
@@ -119,8 +82,7 @@ def main():
                 url = f"http://127.0.0.1:{args.port}/v1/admin/cache-view/{busiest.id}"
                 with urllib.request.urlopen(url, timeout=5) as r:
                     view = r.read().decode()
-            envoy.stop()
-            running.remove(envoy)
+            procs.stop(envoy)
 
         k, rr = results["kvroute"], results["round_robin"]
         rows = [
@@ -144,7 +106,7 @@ def main():
                         "--out", str(svg), "--title", "Time to first token: kvroute vs round robin"], check=True)
         print(f"\nresults: {out_dir}/kvroute.json, {out_dir}/round_robin.json; TTFT CDF: {svg}")
     finally:
-        stop_all()
+        procs.stop_all()
 
 
 if __name__ == "__main__":

@@ -385,3 +385,60 @@ class MockEngine:
 
     def stop(self):
         stop_process(self.proc, self.log, self.dir)
+
+
+class Processes:
+    """What a script started (engines, sidecars, Envoys): stopped in reverse order by
+    stop_all(), which SIGINT and SIGTERM also call before exiting."""
+
+    def __init__(self):
+        import signal
+        import sys
+        self.items = []
+
+        def on_signal(signum, _frame):
+            self.stop_all()
+            sys.exit(128 + signum)
+
+        signal.signal(signal.SIGINT, on_signal)
+        signal.signal(signal.SIGTERM, on_signal)
+
+    def add(self, p):
+        self.items.append(p)
+        return p
+
+    def stop(self, p):
+        p.stop()
+        self.items.remove(p)
+
+    def stop_all(self):
+        for p in reversed(self.items):
+            try:
+                p.stop()
+            except Exception:  # noqa: BLE001 — best effort: stop the rest
+                pass
+        self.items.clear()
+
+
+def start_fleet(procs, n, blocks, speedup):
+    """n mock engines publishing KV events (with replay), and a sidecar subscribed to
+    them; returns (engines, sidecar)."""
+    engines, specs = [], []
+    for _ in range(n):
+        ev, rp = free_port(), free_port()
+        e = procs.add(MockEngine(events=f"tcp://*:{ev}", replay=f"tcp://*:{rp}",
+                                 args=["--num-gpu-blocks", str(blocks), "--speedup", str(speedup)]))
+        engines.append(e)
+        specs.append((e.id, f"tcp://127.0.0.1:{ev}", f"tcp://127.0.0.1:{rp}", "both"))
+    sidecar = procs.add(Sidecar(specs))
+    time.sleep(0.5)  # ZMQ subscriptions settle
+    return engines, sidecar
+
+
+def reset_fleet(engines, sidecar):
+    """Empties every engine's prefix cache (AllBlocksCleared) and waits for the sidecar."""
+    for e in engines:
+        req = urllib.request.Request(f"http://{e.id}/reset_prefix_cache", method="POST", data=b"")
+        with urllib.request.urlopen(req, timeout=10):
+            pass
+    wait_for(lambda: all(sidecar.block_count(e.id) == 0 for e in engines), what="caches empty")
