@@ -32,7 +32,7 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "integration"))
 from harness import (FLEET, Envoy, Processes, free_port, render_config, reset_fleet,  # noqa: E402
-                     start_fleet, wait_for)
+                     start_fleet, wait_synced)
 
 TRACE = ROOT.parent / "shared" / "data" / "mooncake" / "conversation_trace.jsonl"
 # The mock engines' timing model (defaults): ms to start a prefill, ms per uncached token.
@@ -163,8 +163,7 @@ def main():
                                              sync_config={"poll_timeout_ms": 5000, "stale_after_ms": 15000})
                 envoy = procs.add(Envoy(cfg, lp, adm, concurrency=2))
                 if policy == "kvroute":
-                    v = sidecar.json("/v1/admin/workers")[1]["version"]
-                    wait_for(lambda: envoy.stat("kvroute_sync.version") >= v, what="envoy synced")
+                    wait_synced(envoy, sidecar)
                 path = out / f"{wname}.{label}.json"
                 cmd = [str(FLEET), "load", "--target", f"127.0.0.1:{port}", "--label", label, "--seed", "7",
                        "--json", str(path), "--quiet", "--prefix-hash-blocks", str(args.prefix_hash_blocks), *wargs]

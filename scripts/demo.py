@@ -23,7 +23,7 @@ import urllib.request
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "integration"))
 from harness import (FLEET, Envoy, Processes, render_config, reset_fleet, start_fleet,  # noqa: E402
-                     wait_for)
+                     wait_synced)
 
 
 def run_load(args, label, engines, out_dir):
@@ -71,8 +71,7 @@ def main():
                                          sync_config={"poll_timeout_ms": 5000, "stale_after_ms": 15000})
             envoy = procs.add(Envoy(cfg, lp, ap_, concurrency=2))
             if policy == "kvroute":
-                v = sidecar.json("/v1/admin/workers")[1]["version"]
-                wait_for(lambda: envoy.stat("kvroute_sync.version") >= v, what="envoy synced")
+                wait_synced(envoy, sidecar)
             print(f"\n{policy}: {args.groups * args.prompts_per_group} requests, {args.groups} shared "
                   f"system prompts of {args.system_prompt_len} tokens ...", flush=True)
             results[policy] = run_load(args, policy, engines, out_dir)

@@ -171,18 +171,7 @@ class Envoy:
             raise
 
     def _wait_ready(self, timeout=30):
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"envoy exited {self.proc.returncode}:\n{self.logs()}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.admin}/ready", timeout=1) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.1)
-        raise RuntimeError(f"envoy not ready:\n{self.logs()}")
+        wait_http_ok(self.proc, f"http://127.0.0.1:{self.admin}/ready", "envoy", self.logs, timeout)
 
     def cpu_seconds(self):
         """User + system CPU time Envoy has used so far."""
@@ -220,6 +209,28 @@ class Envoy:
 
     def stop(self):
         stop_process(self.proc, self.log, self.dir)
+
+
+def wait_http_ok(proc, url, what, logs, timeout):
+    """Until `url` answers 200; an error with the process's log if it exits or never does."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited {proc.returncode}:\n{logs()}")
+        try:
+            with urllib.request.urlopen(url, timeout=1) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.05)
+    raise RuntimeError(f"{what} not ready:\n{logs()}")
+
+
+def wait_synced(envoy, sidecar):
+    """Until Envoy's sync service has applied the sidecar's current feed version."""
+    v = sidecar.json("/v1/admin/workers")[1]["version"]
+    wait_for(lambda: envoy.stat("kvroute_sync.version") >= v, what=f"envoy at feed version {v}")
 
 
 def stop_process(proc, log, tmpdir, kill=False):
@@ -278,17 +289,7 @@ class Sidecar:
             self._wait_ready()
 
     def _wait_ready(self, timeout=15):
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"sidecar exited {self.proc.returncode}:\n{self.logs()}")
-            try:
-                if self.get("/healthz")[0] == 200:
-                    return
-            except OSError:
-                pass
-            time.sleep(0.05)
-        raise RuntimeError(f"sidecar not ready:\n{self.logs()}")
+        wait_http_ok(self.proc, f"http://127.0.0.1:{self.port}/healthz", "sidecar", self.logs, timeout)
 
     def logs(self):
         return pathlib.Path(self.log_path).read_text(errors="replace")
@@ -345,17 +346,7 @@ class MockEngine:
         self.log_path = os.path.join(self.dir, "engine.log")
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT)
-        deadline = time.time() + 15
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"engine exited {self.proc.returncode}: {self.logs()}")
-            try:
-                with urllib.request.urlopen(f"http://{self.id}/health", timeout=1) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError(f"engine not ready: {self.logs()}")
+        wait_http_ok(self.proc, f"http://{self.id}/health", "engine", self.logs, 15)
 
     def logs(self):
         return pathlib.Path(self.log_path).read_text(errors="replace")

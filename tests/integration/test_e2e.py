@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from harness import Envoy, Sidecar, Worker, free_port, render_config, wait_for
+from harness import Envoy, Sidecar, Worker, free_port, render_config, wait_for, wait_synced
 from kvevents import Publisher, batch, chain_events, stored
 
 
@@ -34,9 +34,7 @@ class Stack:
         time.sleep(0.3)  # ZMQ subscriptions settle
 
     def synced(self):
-        """Until Envoy's sync service has the sidecar's current version."""
-        v = self.sidecar.json("/v1/admin/workers")[1]["version"]
-        wait_for(lambda: self.envoy.stat("kvroute_sync.version") >= v, what=f"envoy at version {v}")
+        wait_synced(self.envoy, self.sidecar)
 
     def idle(self):
         """Until every finished request is released: the filter releases ended streams in

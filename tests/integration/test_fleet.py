@@ -10,7 +10,7 @@ import msgspec
 import pytest
 import zmq
 
-from harness import Envoy, MockEngine, Sidecar, free_port, render_config, wait_for
+from harness import Envoy, MockEngine, Sidecar, free_port, render_config, wait_for, wait_synced
 from kvevents import VAllBlocksCleared, VBlockRemoved, VBlockStored, VKVEventBatch
 
 
@@ -156,8 +156,7 @@ def test_the_seeds_verification_through_envoy():
         ttft1, w1, cached1 = ask()
         assert cached1 == 0
         wait_for(lambda: sidecar.block_count(w1) == 62, what="the worker's blocks reach the sidecar")
-        v = sidecar.json("/v1/admin/workers")[1]["version"]
-        wait_for(lambda: envoy.stat("kvroute_sync.version") >= v, what="envoy synced")
+        wait_synced(envoy, sidecar)
         time.sleep(0.3)  # the first request's in-flight entries are released
         ttft2, w2, cached2 = ask()
         assert w2 == w1 and cached2 == 992
