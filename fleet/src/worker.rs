@@ -116,6 +116,15 @@ impl Shared {
     fn streams(&self) -> MutexGuard<'_, HashMap<u64, mpsc::UnboundedSender<Output>>> {
         self.streams.lock().unwrap_or_else(|p| p.into_inner())
     }
+
+    /// One step's KV events as one batch on the publisher (if events are on).
+    fn publish(&self, events: &[crate::kvcache::KvEvent]) {
+        let (Some(p), false) = (&self.publisher, events.is_empty()) else { return };
+        let ts = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0);
+        if !p.publish(encode_batch(ts, events, self.args.data_parallel_rank)) {
+            log::warn!("kv events queue full: a batch was dropped");
+        }
+    }
 }
 
 /// Runs a mock engine until Ctrl-C / SIGTERM.
@@ -182,12 +191,7 @@ async fn drive(shared: Arc<Shared>) {
         tokio::time::sleep(plan.duration.div_f64(shared.args.speedup)).await;
         let (outputs, events) = shared.engine().complete(plan);
         deliver(&shared, outputs);
-        if let (Some(p), false) = (&shared.publisher, events.is_empty()) {
-            let ts = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0);
-            if !p.publish(encode_batch(ts, &events, shared.args.data_parallel_rank)) {
-                log::warn!("kv events queue full: a batch was dropped");
-            }
-        }
+        shared.publish(&events);
     }
 }
 
@@ -257,12 +261,12 @@ async fn handle(shared: Arc<Shared>, req: HttpRequest<Incoming>) -> Result<Resp,
         ),
         (Method::GET, "/metrics") => full(StatusCode::OK, "text/plain; version=0.0.4", metrics(&shared)),
         (Method::POST, "/reset_prefix_cache") => {
-            shared.engine().cache.reset();
-            let events = shared.engine().cache.take_events();
-            if let (Some(p), false) = (&shared.publisher, events.is_empty()) {
-                let ts = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0);
-                p.publish(encode_batch(ts, &events, shared.args.data_parallel_rank));
-            }
+            let events = {
+                let mut e = shared.engine();
+                e.cache.reset();
+                e.cache.take_events()
+            };
+            shared.publish(&events);
             full(StatusCode::OK, "text/plain", "")
         }
         (Method::POST, "/v1/completions") => generate(shared, req, false).await,

@@ -9,8 +9,15 @@ use crate::events::{Batch, Event};
 use bytes::Bytes;
 use kvroute::feed::{FeedBlock, FeedWorker, Frame, FrameKind, Op};
 use kvroute::layout::Role;
+use std::sync::{Mutex, MutexGuard};
 use std::time::Instant;
 use tokio::sync::watch;
+
+/// The fleet behind its mutex. A panic elsewhere must not stop ingestion or serving; the
+/// state stays consistent because every mutation completes under one lock.
+pub fn lock(fleet: &Mutex<Fleet>) -> MutexGuard<'_, Fleet> {
+    fleet.lock().unwrap_or_else(|p| p.into_inner())
+}
 
 /// Why a worker's (rank's) state was thrown away and rebuilt from later events.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -131,9 +138,6 @@ impl Fleet {
         }
     }
 
-    pub fn epoch(&self) -> u64 {
-        self.epoch
-    }
     pub fn version(&self) -> u64 {
         self.version
     }

@@ -21,7 +21,7 @@ pub async fn run(config: Config, fleet: Arc<Mutex<Fleet>>, started: Instant) {
         let now = Instant::now();
         // Which workers are silent (no batch from any rank for `silent_after`)?
         let silent: Vec<(usize, String)> = {
-            let f = fleet.lock().unwrap_or_else(|p| p.into_inner());
+            let f = crate::fleet::lock(&fleet);
             f.workers
                 .iter()
                 .enumerate()
@@ -35,7 +35,7 @@ pub async fn run(config: Config, fleet: Arc<Mutex<Fleet>>, started: Instant) {
         for (i, id) in &silent {
             results.push((*i, probe(id, &path).await));
         }
-        let mut f = fleet.lock().unwrap_or_else(|p| p.into_inner());
+        let mut f = crate::fleet::lock(&fleet);
         for i in 0..f.workers.len() {
             let up = match results.iter().find(|(j, _)| *j == i) {
                 Some((_, ok)) => *ok,

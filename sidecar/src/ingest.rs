@@ -20,10 +20,10 @@
 
 use crate::config::Config;
 use crate::events::decode_batch;
-use crate::fleet::{Fleet, ResetReason};
+use crate::fleet::{lock, Fleet, ResetReason};
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 const END_OF_REPLAY: [u8; 8] = [0xff; 8];
@@ -76,12 +76,6 @@ pub struct Ingest {
     fleet: Arc<Mutex<Fleet>>,
     replay_timeout: Duration,
     max_pending: usize,
-}
-
-fn lock(fleet: &Mutex<Fleet>) -> MutexGuard<'_, Fleet> {
-    // A panic elsewhere must not stop ingestion; the state itself stays consistent because
-    // every mutation completes under one lock.
-    fleet.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 fn unix_now() -> f64 {

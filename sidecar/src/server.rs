@@ -20,7 +20,7 @@ pub struct App {
 
 impl App {
     pub fn fleet(&self) -> MutexGuard<'_, Fleet> {
-        self.fleet.lock().unwrap_or_else(|p| p.into_inner())
+        crate::fleet::lock(&self.fleet)
     }
 }
 

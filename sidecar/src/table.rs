@@ -116,10 +116,6 @@ impl<V: Copy + Default> HashTable<V> {
         }
     }
 
-    pub fn contains_key(&self, key: &u64) -> bool {
-        self.get(key).is_some()
-    }
-
     /// Inserts or replaces; returns the value replaced.
     pub fn insert(&mut self, key: u64, value: V) -> Option<V> {
         self.reserve_one();
