@@ -13,7 +13,9 @@ Workloads (each run on a freshly reset fleet): shared prefix (uniform) at light,
 ~100% of the fleet's prefill capacity; shared prefix with Zipf popularity, multi-turn chat,
 the Mooncake trace and a burst workload at ~70%. "Capacity" is the fleet's rate of
 uncached prefills for the workload's prompts (no cache at all): load levels are the same
-offered load for every policy.
+offered load for every policy. One Zipf workload (zipf_busy) is loaded instead to ~70% of
+what the fleet can serve at the oracle's hit rate: the load at which pinning a hot prefix
+to one engine starts to cost.
 
     cargo build --release -p kvroute-sidecar -p kvroute-fleet
     cargo build --target wasm32-unknown-unknown --release
@@ -35,13 +37,25 @@ from harness import (FLEET, Envoy, Processes, free_port, render_config, reset_fl
                      start_fleet, wait_synced)
 
 TRACE = ROOT.parent / "shared" / "data" / "mooncake" / "conversation_trace.jsonl"
-# The mock engines' timing model (defaults): ms to start a prefill, ms per uncached token.
+# The mock engines' timing model (defaults, fleet/src/engine.rs): ms to start a prefill,
+# ms per uncached token; ms per decode step, and the batch size at which that doubles.
 PREFILL_OVERHEAD_MS, PREFILL_MS_PER_TOKEN = 30.0, 0.2
+ITL_MS, ITL_KNEE = 12.0, 64.0
 
 
 def prefill_capacity(workers, prompt_tokens):
     """Requests per second the fleet can prefill with nothing cached."""
     return workers * 1000.0 / (PREFILL_OVERHEAD_MS + PREFILL_MS_PER_TOKEN * prompt_tokens)
+
+
+def cached_capacity(workers, uncached_tokens, output_tokens):
+    """Requests per second the fleet can serve when only `uncached_tokens` of a prompt
+    need computing. Once prefills are short the decode steps count too: at saturation
+    every step carries one prefill and a decode token for the ~output_tokens - 1
+    sequences still decoding."""
+    step_ms = (PREFILL_OVERHEAD_MS + PREFILL_MS_PER_TOKEN * uncached_tokens
+               + ITL_MS * (1 + (output_tokens - 1) / ITL_KNEE))
+    return workers * 1000.0 / step_ms
 
 
 def policies(tuned):
@@ -59,31 +73,39 @@ def policies(tuned):
 
 
 def workloads(args):
-    """(name, load level, load-generator arguments). Rates are in model time here and
-    multiplied by the fleet's speed-up below."""
+    """(name, load level, load-generator arguments, fleet settings). Rates are in model
+    time here and multiplied by the fleet's speed-up below."""
     sp = ["--workload", "shared-prefix", "--groups", str(args.groups), "--prompts-per-group", str(args.per_group),
           "--system-prompt-len", "2048", "--question-len", "64", "--output-len", "16"]
     cap = prefill_capacity(args.workers, 2048 + 64)
-    out = [(f"shared_prefix_{name}", level, sp + ["--rate", f"{cap * level:.3f}"])
+    out = [(f"shared_prefix_{name}", level, sp + ["--rate", f"{cap * level:.3f}"], {})
            for name, level in (("light", 0.2), ("70", 0.7), ("100", 1.0))]
     # Zipf: enough requests (1600) that each group's one compulsory miss is under 1% of
     # them, so p99 measures routing, not the cold start.
-    zipf = [x if x != str(args.per_group) else "100" for x in sp]
-    out.append(("zipf_70", 0.7, zipf + ["--zipf", "1.1", "--rate", f"{cap * 0.7:.3f}"]))
+    zipf_per_group = 100
+    zipf = [x if x != str(args.per_group) else str(zipf_per_group) for x in sp]
+    out.append(("zipf_70", 0.7, zipf + ["--zipf", "1.1", "--rate", f"{cap * 0.7:.3f}"], {}))
+    # The same requests at 70% of what the fleet can serve when every prompt but each
+    # group's first is cached (the oracle): 7x the rate, so the hottest group (~1/3 of
+    # the requests) is more than one engine can serve even fully cached. The fleet runs
+    # at a lower speed-up so this machine can drive the arrival rate in real time.
+    busy_cap = cached_capacity(args.workers, 64 + 2048 / zipf_per_group, 16)
+    out.append(("zipf_busy_70", 0.7, zipf + ["--zipf", "1.1", "--rate", f"{busy_cap * 0.7:.3f}"],
+                {"speedup": min(args.speedup, 2.0)}))
     # Hot prefixes with real work behind them (RAG-like: 1024-token questions), popularity
     # steep enough (s = 1.5: the top group gets ~45%) that one worker cannot serve the
     # hottest group alone: what pinning a prefix to one worker costs.
     hot = [x if x != "64" else "1024" for x in sp]
     hot_cap = prefill_capacity(args.workers, 2048 + 1024)
-    out.append(("zipf_hot_70", 0.7, hot + ["--zipf", "1.5", "--rate", f"{hot_cap * 0.7:.3f}"]))
+    out.append(("zipf_hot_70", 0.7, hot + ["--zipf", "1.5", "--rate", f"{hot_cap * 0.7:.3f}"], {}))
     # Bursts: each group's prompts at once; bursts spaced to the same average load.
-    out.append(("burst_70", 0.7, sp + ["--burst", "--rate", f"{cap * 0.7 / args.per_group:.3f}"]))
+    out.append(("burst_70", 0.7, sp + ["--burst", "--rate", f"{cap * 0.7 / args.per_group:.3f}"], {}))
     # Chat: 4 turns; the prompt grows by ~80 tokens a turn from 1024.
     turns, first = 4, 1024
     chat_cap = prefill_capacity(args.workers, first + 1.5 * 80)
     out.append(("chat_70", 0.7, ["--workload", "chat", "--conversations", str(args.groups * 2), "--turns", str(turns),
                                  "--system-prompt-len", str(first), "--question-len", "64", "--output-len", "16",
-                                 "--rate", f"{chat_cap * 0.7 / turns:.3f}"]))
+                                 "--rate", f"{chat_cap * 0.7 / turns:.3f}"], {}))
     # Mooncake: the first N requests, lengths ÷ 8; time-scaled to ~70% of capacity.
     n, ls = args.trace_requests, 8.0
     lines = [json.loads(x) for x in TRACE.read_text().splitlines()[:n]]
@@ -92,24 +114,16 @@ def workloads(args):
     ts = 0.7 * prefill_capacity(args.workers, mean_len) * span_s / len(lines)
     # Conversations come back minutes later: the engines get a realistic cache (8192 blocks,
     # 128k tokens) for this one, or every policy only sees evictions.
-    out.append(("mooncake_70", 0.7, ["--blocks", "8192", "--workload", "mooncake", "--trace", str(TRACE), "--requests", str(n),
-                                     "--length-scale", f"{ls:g}", "--time-scale", f"{ts:.3f}", "--output-len", "32"]))
+    out.append(("mooncake_70", 0.7, ["--workload", "mooncake", "--trace", str(TRACE), "--requests", str(n),
+                                     "--length-scale", f"{ls:g}", "--time-scale", f"{ts:.3f}", "--output-len", "32"],
+                {"blocks": 8192}))
     if args.quick:
         out = [w for w in out if w[0] in ("shared_prefix_70", "zipf_70")]
     if args.workloads:
         out = [w for w in out if w[0] in args.workloads.split(",")]
-    return [(name, level, wall_clock(a, args.speedup)) for name, level, a in out]
-
-
-def fleet_blocks(load_args, default):
-    """A workload may ask for another cache size (`--blocks N`, taken out of its load
-    arguments)."""
-    if "--blocks" in load_args:
-        i = load_args.index("--blocks")
-        n = int(load_args[i + 1])
-        del load_args[i:i + 2]
-        return n
-    return default
+    # A workload may ask for another cache size or speed-up; the rest get the defaults.
+    fleets = [{"blocks": args.blocks, "speedup": args.speedup, **f} for *_, f in out]
+    return [(name, level, wall_clock(a, f["speedup"]), f) for (name, level, a, _), f in zip(out, fleets)]
 
 
 def wall_clock(load_args, speedup):
@@ -142,19 +156,19 @@ def main():
     procs = Processes()
     t_start = time.time()
     results = []
-    fleet = {"blocks": None, "engines": [], "sidecar": None}
+    fleet = {"settings": None, "engines": [], "sidecar": None}
     try:
         port = free_port()
-        for wname, level, wargs in workloads(args):
-            blocks = fleet_blocks(wargs, args.blocks)
-            if fleet["blocks"] != blocks:
-                # Another cache size: a new fleet.
+        for wname, level, wargs, settings in workloads(args):
+            if fleet["settings"] != settings:
+                # Another cache size or speed-up: a new fleet.
                 for p in [fleet["sidecar"], *fleet["engines"]]:
                     if p is not None:
                         procs.stop(p)
-                engines, sidecar = start_fleet(procs, args.workers, blocks, args.speedup)
-                fleet.update(blocks=blocks, engines=engines, sidecar=sidecar)
+                engines, sidecar = start_fleet(procs, args.workers, settings["blocks"], settings["speedup"])
+                fleet.update(settings=settings, engines=engines, sidecar=sidecar)
             engines, sidecar = fleet["engines"], fleet["sidecar"]
+            speedup = settings["speedup"]
             for label, policy, fcfg in policies(args.tuned_weight):
                 reset_fleet(engines, sidecar)
                 filter_cfg = {"token_header": "x-prompt-token-ids", "block_size": 16}
@@ -175,14 +189,14 @@ def main():
                 r = json.loads(path.read_text())
                 samples = r.pop("samples")
                 r.update({"workload": wname, "load": level, "policy": label, "wall_s": round(time.time() - t0, 1),
-                          "speedup": args.speedup, "blocks_per_worker": blocks})
+                          "speedup": speedup, "blocks_per_worker": settings["blocks"]})
                 results.append(r)
                 print(f"{wname:18} {label:26} hit {r['hit_rate']:.2f}/{r['oracle_hit_rate']:.2f} "
-                      f"ttft p50 {r['ttft_ms']['p50'] * args.speedup:7.0f} p99 {r['ttft_ms']['p99'] * args.speedup:7.0f} ms "
+                      f"ttft p50 {r['ttft_ms']['p50'] * speedup:7.0f} p99 {r['ttft_ms']['p99'] * speedup:7.0f} ms "
                       f"failed {r['failed']}", flush=True)
                 # Keep the samples for the CDF plot.
                 (out / f"{wname}.{label}.samples.json").write_text(json.dumps(
-                    {"label": label, "samples": [{"ok": s["ok"], "ttft_ms": s["ttft_ms"] * args.speedup} for s in samples]}))
+                    {"label": label, "samples": [{"ok": s["ok"], "ttft_ms": s["ttft_ms"] * speedup} for s in samples]}))
                 path.unlink()
             sample_files = [out / f"{wname}.{p[0]}.samples.json" for p in policies(args.tuned_weight)]
             subprocess.run([str(FLEET), "plot", *map(str, sample_files), "--out", str(out / f"ttft-{wname}.svg"),
@@ -198,12 +212,12 @@ def main():
         results = [r for r in json.loads(previous.read_text())["runs"] if r["workload"] not in ran] + results
     (out / "results.json").write_text(json.dumps({"config": vars(args), "wall_s": round(time.time() - t_start),
                                                   "runs": results}, indent=1))
-    print(markdown(results, args))
+    print(markdown(results))
     (out / "hit-rate-vs-load.svg").write_text(hit_rate_svg(results))
     print(f"\n{len(results)} runs in {time.time() - t_start:.0f} s; results in {out}")
 
 
-def markdown(results, args):
+def markdown(results):
     lines = []
     for w in dict.fromkeys(r["workload"] for r in results):
         rs = [r for r in results if r["workload"] == w]
@@ -211,7 +225,7 @@ def markdown(results, args):
         lines.append("| policy | hit rate | ÷ oracle | TTFT p50 | p90 | p99 | e2e p50 | p99 | req/s | busy max/mean | failed |")
         lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for r in rs:
-            s = args.speedup
+            s = r["speedup"]
             orc = r["oracle_hit_rate"] or 1
             lines.append(f"| {r['policy']} | {r['hit_rate']:.2f} | {r['hit_rate'] / orc:.2f} | "
                          f"{r['ttft_ms']['p50'] * s:.0f} | {r['ttft_ms']['p90'] * s:.0f} | {r['ttft_ms']['p99'] * s:.0f} | "

@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 echo "==> installing and building (the first run takes a few minutes)"
-rustup show active-toolchain >/dev/null
+rustup toolchain install >/dev/null  # rust-toolchain.toml: compiler + wasm32 target
 python3 -m pip install --quiet --disable-pip-version-check -r tests/requirements.txt
 cargo build --quiet --target wasm32-unknown-unknown --release
 cargo build --quiet --release -p kvroute-sidecar -p kvroute-fleet

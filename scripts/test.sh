@@ -14,8 +14,10 @@ cd "$(dirname "$0")/.."
 step() { printf '\n==> %s\n' "$*"; }
 
 step "installing test dependencies"
-# rustup reads rust-toolchain.toml: the pinned compiler and the wasm32 target.
-rustup show active-toolchain >/dev/null
+# The pinned compiler and the wasm32 target from rust-toolchain.toml. `rustup toolchain
+# install` also adds a listed target that an already installed toolchain lacks (rustup
+# ≥ 1.28 no longer installs anything on `rustup show`).
+rustup toolchain install >/dev/null
 if ! command -v node >/dev/null; then
   apt-get update -qq && apt-get install -y -qq nodejs
 fi

@@ -182,7 +182,9 @@ impl Engine {
     }
 
     /// Schedules the next waiting request's prefill once the previous one is done (one
-    /// prefill at a time, FIFO: the head blocks the rest, as vLLM's scheduler does).
+    /// prefill at a time, FIFO). A simplification: vLLM packs several prefills into a step
+    /// up to its token budget, so this model charges every short (mostly cached) prefill
+    /// its own step overhead — pessimistic for one engine serving a hot prefix.
     /// Its cache hits are looked up then, as vLLM does when it schedules a request — so a
     /// request queued behind another with the same prefix finds that prefix computed.
     /// Requests that could never fit are rejected.
