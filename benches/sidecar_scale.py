@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT / "benches"))
 import msgspec  # noqa: E402
 import zmq  # noqa: E402
 from envoy_overhead import Port  # noqa: E402
-from harness import Envoy, Sidecar, free_port, render_config, wait_for  # noqa: E402
+from harness import WASM, Envoy, Sidecar, free_port, render_config, wait_for  # noqa: E402
 from kvevents import batch, stored  # noqa: E402
 
 CHAIN = 64
@@ -42,6 +42,7 @@ def main():
     ap.add_argument("--workers", type=int, default=128)
     ap.add_argument("--blocks", type=int, default=50_000, help="blocks per worker")
     ap.add_argument("--json")
+    ap.add_argument("--wasm", default=str(WASM), help="the filter build to load (default: the release build)")
     args = ap.parse_args()
     chains = -(-args.blocks // CHAIN)
     total = args.workers * chains * CHAIN
@@ -107,17 +108,25 @@ def main():
         time.sleep(2)
         rss0 = rss_mb(empty.proc.pid)
         empty.stop()
-        cfg, lp, ap_ = render_config(workers, sidecar.port, {}, sync)
+        cfg, lp, ap_ = render_config(workers, sidecar.port, {}, sync, wasm=pathlib.Path(args.wasm))
         t = time.perf_counter()
         envoy = Envoy(cfg, lp, ap_, concurrency=2)
+        # The admin API shares Envoy's main thread with the sync service: how long a stats
+        # read waits is how long the main thread was busy applying and publishing.
+        admin_waits = []
+
         def synced():
+            t0 = time.perf_counter()
             try:
                 return envoy.stat("kvroute_sync.index_entries") >= total
-            except OSError:  # the admin API shares Envoy's main thread with the sync service
+            except OSError:
                 return False
+            finally:
+                admin_waits.append(time.perf_counter() - t0)
 
         wait_for(synced, timeout=900, interval=0.5, what="envoy synced")
         result.update({"envoy_sync_s": round(time.perf_counter() - t, 1),
+                       "envoy_admin_wait_max_s": round(max(admin_waits), 2),
                        "envoy_rss_no_index_mb": round(rss0),
                        "envoy_rss_synced_mb": round(rss_mb(envoy.proc.pid))})
         result["envoy_bytes_per_entry"] = round((result["envoy_rss_synced_mb"] - rss0) * 2**20 / total, 1)

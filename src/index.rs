@@ -113,6 +113,12 @@ impl SyncIndex {
         PollPosition { epoch: self.epoch, since: self.version, cursor: self.snapshot_cursor.unwrap_or(0) }
     }
 
+    /// Between a snapshot's first page and its last: what the index holds is not yet a
+    /// whole fleet's state, so [`publish`] holds it back.
+    pub fn snapshot_in_progress(&self) -> bool {
+        self.snapshot_cursor.is_some()
+    }
+
     /// Forget the feed position: the next poll asks for a snapshot.
     pub fn request_snapshot(&mut self) {
         self.need_snapshot = true;
@@ -542,8 +548,16 @@ pub struct PublishStats {
 
 /// Writes every changed bucket (index part only: the filters' in-flight part is kept as
 /// found, by compare-and-swap), then the worker table if it changed.
+///
+/// Nothing is written in the middle of a paged snapshot: the filters keep routing on the
+/// last complete index (not on one where the workers of later pages look cold), and each
+/// bucket is written once per snapshot instead of once per page — the pages' writes grow
+/// with the index, so publishing every page made a resync quadratic in its page count.
 pub fn publish(index: &mut SyncIndex, store: &dyn SharedStore) -> PublishStats {
     let mut stats = PublishStats::default();
+    if index.snapshot_in_progress() {
+        return stats;
+    }
     for b in index.take_dirty() {
         if write_bucket(index, store, b) {
             stats.bucket_writes += 1;
@@ -787,6 +801,61 @@ mod tests {
         assert_eq!(ix.entries(), 2);
         // A stray continuation page is refused.
         assert!(ix.apply(&p2).is_err());
+    }
+
+    #[test]
+    fn a_paged_snapshot_is_published_whole() {
+        use crate::memstore::MemStore;
+        let store = MemStore::new();
+        let mut ix = SyncIndex::new(16);
+        let delta = frame(
+            FrameKind::SnapshotStart,
+            0,
+            3,
+            vec![worker("a:1")],
+            vec![Op::Store { worker: 0, blocks: vec![blk(1)] }],
+        );
+        ix.apply(&delta).unwrap();
+        ix.set_live(true);
+        publish(&mut ix, &store);
+        let table_before = store.get(TABLE_KEY).unwrap().0;
+        let published_bucket =
+            |store: &MemStore| store.get(&bucket_key(bucket_of(1000, 16))).unwrap().0.unwrap_or_default();
+        let before = published_bucket(&store);
+
+        // A resync in two pages: worker b's blocks in the first, a's in the second.
+        let mut p1 = frame(
+            FrameKind::SnapshotStart,
+            0,
+            9,
+            vec![worker("a:1"), worker("b:1")],
+            vec![Op::Store { worker: 1, blocks: vec![blk(2)] }],
+        );
+        p1.epoch = 2;
+        p1.next_cursor = 1;
+        ix.apply(&p1).unwrap();
+        assert!(ix.snapshot_in_progress());
+        assert_eq!(publish(&mut ix, &store), PublishStats::default(), "nothing written mid-snapshot");
+        assert_eq!(store.get(TABLE_KEY).unwrap().0, table_before);
+        assert_eq!(published_bucket(&store), before, "readers keep the last whole index");
+
+        let mut p2 = frame(
+            FrameKind::SnapshotMore,
+            0,
+            9,
+            vec![worker("a:1"), worker("b:1")],
+            vec![Op::Store { worker: 0, blocks: vec![blk(1)] }],
+        );
+        p2.epoch = 2;
+        ix.apply(&p2).unwrap();
+        assert!(!ix.snapshot_in_progress());
+        let stats = publish(&mut ix, &store);
+        assert!(stats.bucket_writes >= 1 && stats.failures == 0);
+        let table = WorkerTable::decode(&store.get(TABLE_KEY).unwrap().0.unwrap()).unwrap();
+        assert_eq!((table.epoch, table.version, table.slots.len()), (2, 9, 2));
+        let published = published_bucket(&store);
+        let held: Vec<usize> = Bucket::parse(&published).unwrap().holders(1, 0, false, &SlotSet::FULL).iter().collect();
+        assert_eq!(held, vec![0]);
     }
 
     #[test]

@@ -120,6 +120,11 @@ impl SyncRoot {
                 now - self.last_ok_ms
             );
             self.index.set_live(false);
+            if self.index.snapshot_in_progress() {
+                // Cut off mid-snapshot: start it over when the sidecar is back, and let
+                // publish write the stale flag now (it holds back a snapshot in progress).
+                self.index.request_snapshot();
+            }
             self.publish();
         }
         if self.in_flight.is_none() && now >= self.next_poll_ms {

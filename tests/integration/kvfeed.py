@@ -123,6 +123,7 @@ class FeedState:
         self.cond = threading.Condition()
         self.polls = 0
         self.page_blocks = None  # page snapshots when set
+        self.hold_pages = False  # while set, a snapshot's later pages wait (a slow snapshot)
         self.snapshot = None
         self.snapshot_pages_served = 0
 
@@ -160,6 +161,11 @@ class FeedState:
         with self.cond:
             self.held[worker] = {}
             self._commit([(OP_CLEAR, worker, None)])
+
+    def release_pages(self):
+        with self.cond:
+            self.hold_pages = False
+            self.cond.notify_all()
 
     def restart(self):
         """A new epoch, as after a sidecar restart: clients must take a snapshot."""
@@ -217,6 +223,7 @@ class FeedState:
         s_epoch, s_version, wl, pages = self.snapshot
         if (epoch, since) != (s_epoch, s_version) or cursor >= len(pages):
             return None
+        self.cond.wait_for(lambda: not self.hold_pages, 30)
         self.snapshot_pages_served += 1
         return encode_frame(SNAPSHOT_MORE, s_epoch, 0, s_version, self.block_size, wl, pages[cursor],
                             next_cursor=cursor + 1 if cursor + 1 < len(pages) else 0)

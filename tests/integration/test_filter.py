@@ -356,3 +356,37 @@ def test_paged_snapshot(setup):
     for w, p in zip(s.workers, prompts):
         _, h, _ = s.envoy.request(headers={"x-prompt-token-ids-b64": b64(p)})
         assert (debug(h)["worker"], debug(h)["hits"]) == (w.id, "100")
+
+
+def test_a_paged_snapshot_shows_only_when_complete(setup):
+    """While a resync's pages arrive, the filters route on the previous index, not on a
+    half-built one; the new index shows whole after the last page."""
+    s = setup(n_workers=3, sync_config={}, filter_config={"predict_on_route": False})
+    prompts = [tokens(40 + i, 1600) for i in range(3)]  # 100 blocks each
+    for w, p in zip(s.workers, prompts):
+        s.state.store(w.id, p)
+    wait_for(lambda: s.envoy.stat("kvroute_sync.index_entries") == 300, what="index synced")
+
+    def route(p):
+        _, h, _ = s.envoy.request(headers={"x-prompt-token-ids-b64": b64(p)})
+        return debug(h)["worker"], debug(h)["hits"]
+
+    assert route(prompts[0]) == (s.workers[0].id, "100")
+    # The sidecar restarts, and meanwhile prompt 0 moved to worker 1. The snapshot comes in
+    # pages of 100 blocks — worker 1's own prompt first, then prompt 0 — and stalls after
+    # the first.
+    with s.state.cond:
+        s.state.page_blocks = 100
+        s.state.hold_pages = True
+        s.state.clear(s.workers[0].id)
+        s.state.store(s.workers[1].id, prompts[0])
+        s.state.restart()
+    try:
+        wait_for(lambda: s.envoy.stat("kvroute_sync.index_entries") == 100, what="first page applied")
+        for _ in range(3):
+            assert route(prompts[0]) == (s.workers[0].id, "100"), "the previous index still routes"
+    finally:
+        s.state.release_pages()
+    wait_for(lambda: s.envoy.stat("kvroute_sync.index_entries") == 300, what="all pages applied")
+    wait_for(lambda: route(prompts[0]) == (s.workers[1].id, "100"), what="the new index routes")
+    assert route(prompts[1]) == (s.workers[1].id, "100")
