@@ -7,11 +7,12 @@
 //!
 //!     cargo bench --bench scale                 # every point that fits in memory here
 //!     cargo bench --bench scale -- --quick      # up to 1M entries
+//!     cargo bench --bench scale -- --buckets 16384 --workers 8,1024 --entries 10000000
 
 use kvroute::config::FilterConfig;
 use kvroute::feed::{FeedBlock, FeedWorker, Frame, FrameKind, Op};
 use kvroute::index::{publish, SyncIndex};
-use kvroute::layout::Role;
+use kvroute::layout::{Role, DEFAULT_BUCKETS};
 use kvroute::memstore::MemStore;
 use kvroute::router::{Router, TokenSource};
 use kvroute::tokens::{encode_base64, TokenEncoding};
@@ -36,7 +37,7 @@ struct Point {
     reads: f64,
 }
 
-fn run(workers: usize, entries: usize) -> Point {
+fn run(workers: usize, entries: usize, n_buckets: u32) -> Point {
     let chains = entries.div_ceil(CHAIN_TOKENS / 16);
     let feed_workers: Vec<FeedWorker> = (0..workers)
         .map(|i| FeedWorker {
@@ -61,7 +62,7 @@ fn run(workers: usize, entries: usize) -> Point {
     }
     let n = pages.len();
     let t = Instant::now();
-    let mut ix = SyncIndex::new(4096);
+    let mut ix = SyncIndex::new(n_buckets);
     let store = MemStore::new();
     for (i, ops) in pages.into_iter().enumerate() {
         let frame = Frame {
@@ -120,20 +121,31 @@ fn run(workers: usize, entries: usize) -> Point {
     }
 }
 
+/// The value after `flag`, as a comma-separated list.
+fn list_arg(flag: &str) -> Option<Vec<usize>> {
+    let args: Vec<String> = std::env::args().collect();
+    let i = args.iter().position(|a| a == flag)?;
+    let v = args.get(i + 1).unwrap_or_else(|| panic!("{flag} needs a value"));
+    Some(v.split(',').map(|x| x.parse().unwrap_or_else(|_| panic!("{flag}: {x} is not a number"))).collect())
+}
+
 fn main() {
     let quick = std::env::args().any(|a| a == "--quick");
     let max = if quick { 1_000_000 } else { 10_000_000 };
+    let n_buckets = list_arg("--buckets").map_or(DEFAULT_BUCKETS, |v| v[0] as u32);
+    let fleet_sizes = list_arg("--workers").unwrap_or(vec![8, 64, 256, 1024]);
+    let index_sizes = list_arg("--entries").unwrap_or(vec![10_000, 100_000, 1_000_000, 10_000_000]);
     println!("| workers | cached (worker, block) | load + publish | index MB | shared data MB | route + release | shared reads |");
     println!("|---:|---:|---:|---:|---:|---:|---:|");
-    for workers in [8usize, 64, 256, 1024] {
-        for entries in [10_000usize, 100_000, 1_000_000, 10_000_000] {
+    for &workers in &fleet_sizes {
+        for &entries in &index_sizes {
             // An index entry holds two masks of ceil(workers/64) words: skip points that
             // would not fit this machine's memory twice over (index + shared data).
             let est = entries as f64 * 8.0 * (1.0 + 3.0 * workers.div_ceil(64) as f64);
             if entries > max || est > 6e9 {
                 continue;
             }
-            let p = run(workers, entries);
+            let p = run(workers, entries, n_buckets);
             println!(
                 "| {} | {} | {:.2} s | {:.0} | {:.0} | {:.1} µs | {:.1} |",
                 p.workers, p.entries, p.load_s, p.index_mb, p.shared_mb, p.route_us, p.reads

@@ -342,7 +342,7 @@ mod tests {
         let off = FilterConfig::from_json(br#"{"lora_header": null, "cache_salt_header": null}"#).unwrap();
         assert_eq!((off.lora_header, off.cache_salt_header), (None, None));
         let s = SyncConfig::from_json(b" ").unwrap();
-        assert_eq!(s.n_buckets, 4096);
+        assert_eq!(s.n_buckets, crate::layout::DEFAULT_BUCKETS);
     }
 
     #[test]

@@ -27,8 +27,11 @@ const BUCKET_KEY_PREFIX: &str = "kvroute.b.";
 /// Blocks in the first segment; each later segment is as long as everything before it.
 pub const SEGMENT_BASE_BLOCKS: usize = 32;
 
-/// Default number of index buckets (keys). Power of two.
-pub const DEFAULT_BUCKETS: u32 = 4096;
+/// Default number of index buckets (keys). Power of two. A decision reads a fixed number
+/// of buckets, so what it costs grows with the entries per bucket: 16384 keeps that ≤ ~600
+/// up to 10M cached (worker, block) entries, for ~2 MB of shared data when the index is
+/// empty (docs/benchmarks.md, scale simulation).
+pub const DEFAULT_BUCKETS: u32 = 16384;
 
 /// Key of bucket `b`.
 pub fn bucket_key(b: u32) -> String {
