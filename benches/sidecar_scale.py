@@ -109,6 +109,7 @@ def main():
         rss0 = rss_mb(empty.proc.pid)
         empty.stop()
         cfg, lp, ap_ = render_config(workers, sidecar.port, {}, sync, wasm=pathlib.Path(args.wasm))
+        version = sidecar.json("/v1/admin/workers")[1]["version"]
         t = time.perf_counter()
         envoy = Envoy(cfg, lp, ap_, concurrency=2)
         # The admin API shares Envoy's main thread with the sync service: how long a stats
@@ -118,13 +119,14 @@ def main():
         def synced():
             t0 = time.perf_counter()
             try:
-                return envoy.stat("kvroute_sync.index_entries") >= total
+                return (envoy.stat("kvroute_sync.index_entries") >= total
+                        and envoy.stat("kvroute_sync.version") >= version)
             except OSError:
                 return False
             finally:
                 admin_waits.append(time.perf_counter() - t0)
 
-        wait_for(synced, timeout=900, interval=0.5, what="envoy synced")
+        wait_for(synced, timeout=900, interval=0.1, what="envoy synced")
         result.update({"envoy_sync_s": round(time.perf_counter() - t, 1),
                        "envoy_admin_wait_max_s": round(max(admin_waits), 2),
                        "envoy_rss_no_index_mb": round(rss0),

@@ -458,11 +458,25 @@ impl SyncIndex {
     }
 
     /// Buckets changed since the last call, to be written.
-    pub fn take_dirty(&mut self) -> Vec<u32> {
+    #[cfg(test)]
+    fn take_dirty(&mut self) -> Vec<u32> {
         for &b in &self.dirty {
             self.is_dirty[b as usize] = false;
         }
         std::mem::take(&mut self.dirty)
+    }
+
+    /// One changed bucket to write, if any is left.
+    fn pop_dirty(&mut self) -> Option<u32> {
+        let b = self.dirty.pop()?;
+        self.is_dirty[b as usize] = false;
+        Some(b)
+    }
+
+    /// Changes not yet written to shared data: [`publish`] has more to do (once any
+    /// snapshot in progress is complete).
+    pub fn has_unpublished(&self) -> bool {
+        !self.dirty.is_empty() || self.table_dirty
     }
 
     /// Puts a bucket back on the dirty list (its write failed).
@@ -542,29 +556,60 @@ enum Hold {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PublishStats {
     pub bucket_writes: u64,
+    /// Bytes of bucket values written.
+    pub bucket_bytes: u64,
     /// Writes that failed (left dirty, retried on the next publish).
     pub failures: u64,
+    /// Changed buckets left for the next call: the byte budget ran out.
+    pub more: bool,
 }
 
-/// Writes every changed bucket (index part only: the filters' in-flight part is kept as
-/// found, by compare-and-swap), then the worker table if it changed.
+/// Bucket bytes one [`publish`] writes at most. The sync service publishes on Envoy's main
+/// thread (admin API, xDS, stats), so a resync's whole index must not go in one call: at
+/// 6.4M entries that held the main thread for ~1 s. What is left goes at the next tick.
+pub const PUBLISH_BUDGET_BYTES: usize = 8 << 20;
+
+/// Writes changed buckets (index part only: the filters' in-flight part is kept as found,
+/// by compare-and-swap) up to [`PUBLISH_BUDGET_BYTES`], then — once none is left — the
+/// worker table if it changed. Buckets before the table: a table never names a state its
+/// buckets do not hold yet.
 ///
 /// Nothing is written in the middle of a paged snapshot: the filters keep routing on the
 /// last complete index (not on one where the workers of later pages look cold), and each
 /// bucket is written once per snapshot instead of once per page — the pages' writes grow
 /// with the index, so publishing every page made a resync quadratic in its page count.
+/// While a snapshot's buckets go out over several calls the filters see some buckets old
+/// and some new; every entry is right for its block either way (a block's holders do not
+/// depend on its bucket), so the mix can only miss hits, never invent them.
 pub fn publish(index: &mut SyncIndex, store: &dyn SharedStore) -> PublishStats {
+    publish_within(index, store, PUBLISH_BUDGET_BYTES)
+}
+
+/// [`publish`] with another byte budget (at least one bucket is written per call).
+pub fn publish_within(index: &mut SyncIndex, store: &dyn SharedStore, budget_bytes: usize) -> PublishStats {
     let mut stats = PublishStats::default();
     if index.snapshot_in_progress() {
         return stats;
     }
-    for b in index.take_dirty() {
-        if write_bucket(index, store, b) {
-            stats.bucket_writes += 1;
-        } else {
-            stats.failures += 1;
-            index.mark_dirty(b);
+    let mut failed = Vec::new();
+    while stats.bucket_bytes < budget_bytes as u64 {
+        let Some(b) = index.pop_dirty() else { break };
+        match write_bucket(index, store, b) {
+            Some(bytes) => {
+                stats.bucket_writes += 1;
+                stats.bucket_bytes += bytes as u64;
+            }
+            None => failed.push(b),
         }
+    }
+    // Failed writes wait for the next call; they do not hold back the table.
+    stats.more = !index.dirty.is_empty();
+    stats.failures = failed.len() as u64;
+    for b in failed {
+        index.mark_dirty(b);
+    }
+    if stats.more {
+        return stats;
     }
     if let Some(t) = index.take_table() {
         if store.set(TABLE_KEY, &t.encode(), None).is_err() {
@@ -575,13 +620,14 @@ pub fn publish(index: &mut SyncIndex, store: &dyn SharedStore) -> PublishStats {
     stats
 }
 
-fn write_bucket(index: &SyncIndex, store: &dyn SharedStore, b: u32) -> bool {
+/// Writes bucket `b`'s index part; the bytes written, or `None` if the store refused.
+fn write_bucket(index: &SyncIndex, store: &dyn SharedStore, b: u32) -> Option<usize> {
     let key = bucket_key(b);
     let (mask_words, tiered, n, raw) = index.encode_idx(b);
     let part = IndexPart { mask_words, tiered, n, raw: &raw };
     let mut fly = Vec::new();
     for _ in 0..CAS_ATTEMPTS {
-        let Ok((cur, cas)) = store.get(&key) else { return false };
+        let Ok((cur, cas)) = store.get(&key) else { return None };
         let cur = cur.unwrap_or_default();
         // A value that does not decode (nothing of ours writes one) loses its in-flight
         // part: the index must be written regardless.
@@ -590,12 +636,12 @@ fn write_bucket(index: &SyncIndex, store: &dyn SharedStore, b: u32) -> bool {
         let n_fly = index.drop_confirmed(b, old, n_old, &mut fly);
         let value = encode_bucket(part, n_fly, &fly, parsed.sweep_at_ms());
         match store.set(&key, &value, Some(cas.unwrap_or(0))) {
-            Ok(()) => return true,
+            Ok(()) => return Some(value.len()),
             Err(StoreError::CasMismatch) => continue,
-            Err(StoreError::Other(_)) => return false,
+            Err(StoreError::Other(_)) => return None,
         }
     }
-    false
+    None
 }
 
 #[cfg(test)]
@@ -801,6 +847,49 @@ mod tests {
         assert_eq!(ix.entries(), 2);
         // A stray continuation page is refused.
         assert!(ix.apply(&p2).is_err());
+    }
+
+    #[test]
+    fn publishing_within_a_budget_ends_where_one_publish_does() {
+        use crate::memstore::MemStore;
+        let blocks: Vec<FeedBlock> = (1..=200u64).map(|h| FeedBlock { hash: h, anchor: h * 7919 }).collect();
+        let snapshot = frame(
+            FrameKind::SnapshotStart,
+            0,
+            1,
+            vec![worker("a:1"), worker("b:1")],
+            vec![
+                Op::Store { worker: 0, blocks: blocks.clone() },
+                Op::Store { worker: 1, blocks: blocks[..50].to_vec() },
+            ],
+        );
+        let (whole, parts) = (MemStore::new(), MemStore::new());
+        let (mut ix_whole, mut ix_parts) = (SyncIndex::new(64), SyncIndex::new(64));
+        for ix in [&mut ix_whole, &mut ix_parts] {
+            ix.apply(&snapshot).unwrap();
+            ix.set_live(true);
+        }
+        let all = publish_within(&mut ix_whole, &whole, usize::MAX);
+        assert_eq!((all.bucket_writes, all.more), (64, false));
+
+        // One bucket per call: the table goes out with the last one, not before.
+        let mut calls = 0;
+        loop {
+            let st = publish_within(&mut ix_parts, &parts, 1);
+            calls += 1;
+            assert_eq!(st.bucket_writes, 1);
+            if !st.more {
+                break;
+            }
+            assert!(parts.get(TABLE_KEY).unwrap().0.is_none(), "no table before its buckets");
+            assert!(ix_parts.has_unpublished());
+        }
+        assert_eq!(calls, 64);
+        assert!(!ix_parts.has_unpublished());
+        for b in 0..64 {
+            assert_eq!(parts.get(&bucket_key(b)).unwrap().0, whole.get(&bucket_key(b)).unwrap().0, "bucket {b}");
+        }
+        assert_eq!(parts.get(TABLE_KEY).unwrap().0, whole.get(TABLE_KEY).unwrap().0);
     }
 
     #[test]

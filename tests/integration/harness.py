@@ -228,7 +228,7 @@ def wait_http_ok(proc, url, what, logs, timeout):
 
 
 def wait_synced(envoy, sidecar):
-    """Until Envoy's sync service has applied the sidecar's current feed version."""
+    """Until the filters route on the sidecar's current feed version."""
     v = sidecar.json("/v1/admin/workers")[1]["version"]
     wait_for(lambda: envoy.stat("kvroute_sync.version") >= v, what=f"envoy at feed version {v}")
 
