@@ -566,7 +566,7 @@ pub struct PublishStats {
 
 /// Bucket bytes one [`publish`] writes at most. The sync service publishes on Envoy's main
 /// thread (admin API, xDS, stats), so a resync's whole index must not go in one call: at
-/// 6.4M entries that held the main thread for ~1 s. What is left goes at the next tick.
+/// 6.4M entries that held the main thread for 1.3–1.5 s. What is left goes at the next tick.
 pub const PUBLISH_BUDGET_BYTES: usize = 8 << 20;
 
 /// Writes changed buckets (index part only: the filters' in-flight part is kept as found,
