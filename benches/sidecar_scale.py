@@ -43,6 +43,7 @@ def main():
     ap.add_argument("--blocks", type=int, default=50_000, help="blocks per worker")
     ap.add_argument("--json")
     ap.add_argument("--wasm", default=str(WASM), help="the filter build to load (default: the release build)")
+    ap.add_argument("--page-blocks", type=int, default=1_000_000, help="the sidecar's snapshot_page_blocks")
     args = ap.parse_args()
     chains = -(-args.blocks // CHAIN)
     total = args.workers * chains * CHAIN
@@ -57,7 +58,7 @@ def main():
         pubs.append(sock)
         workers.append(Port(20000 + w))
         specs.append((f"127.0.0.1:{20000 + w}", f"tcp://127.0.0.1:{port}", None, "both"))
-    sidecar = Sidecar(specs, extra={"health_path": "", "snapshot_page_blocks": 1_000_000})
+    sidecar = Sidecar(specs, extra={"health_path": "", "snapshot_page_blocks": args.page_blocks})
     time.sleep(1.0)
     enc = msgspec.msgpack.Encoder()
     result = {"workers": args.workers, "blocks_per_worker": chains * CHAIN, "entries": total}
