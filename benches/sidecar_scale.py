@@ -43,7 +43,7 @@ def main():
     ap.add_argument("--blocks", type=int, default=50_000, help="blocks per worker")
     ap.add_argument("--json")
     ap.add_argument("--wasm", default=str(WASM), help="the filter build to load (default: the release build)")
-    ap.add_argument("--page-blocks", type=int, default=1_000_000, help="the sidecar's snapshot_page_blocks")
+    ap.add_argument("--page-blocks", type=int, default=250_000, help="the sidecar's snapshot_page_blocks")
     args = ap.parse_args()
     chains = -(-args.blocks // CHAIN)
     total = args.workers * chains * CHAIN

@@ -65,6 +65,20 @@ pub struct SyncIndex {
     is_dirty: Vec<bool>,
     table_dirty: bool,
     entries: u64,
+    /// Per bucket, a snapshot's stores not yet merged into its entries (see [`Staged`]).
+    staged: Vec<Vec<Staged>>,
+}
+
+/// A snapshot page's store, kept as it came until its bucket is next read or written. A
+/// page merged at once would rewrite buckets that already hold every earlier page — time
+/// in proportion to the index so far, per page — so a resync was quadratic in its pages;
+/// staged, each page costs its own size, and each bucket is sorted and merged once, when
+/// its slice is published.
+#[derive(Clone, Copy, Debug)]
+struct Staged {
+    hash: u64,
+    slot: u16,
+    offloaded: bool,
 }
 
 impl SyncIndex {
@@ -86,6 +100,7 @@ impl SyncIndex {
             is_dirty: vec![false; n],
             table_dirty: true,
             entries: 0,
+            staged: vec![Vec::new(); n],
         }
     }
 
@@ -146,13 +161,16 @@ impl SyncIndex {
     }
 
     /// Distinct cached blocks in the index (a block several workers hold is one entry).
+    /// A snapshot's blocks count once their bucket is merged, at the latest when published.
     pub fn entries(&self) -> u64 {
         self.entries
     }
 
     /// Heap bytes of the index (bucket vectors at their capacity).
     pub fn heap_bytes(&self) -> usize {
-        self.buckets.iter().map(|b| b.capacity() * 8 + std::mem::size_of::<Vec<u64>>()).sum::<usize>()
+        let vec = std::mem::size_of::<Vec<u64>>();
+        self.buckets.iter().map(|b| b.capacity() * 8 + vec).sum::<usize>()
+            + self.staged.iter().map(|s| s.capacity() * std::mem::size_of::<Staged>() + vec).sum::<usize>()
             + self.dirty.capacity() * 4
             + self.is_dirty.capacity()
     }
@@ -203,7 +221,10 @@ impl SyncIndex {
             | Op::Remove { worker, .. }
             | Op::Clear { worker }) = op;
             let Some(Some(slot)) = slot_of.get(*worker as usize).copied() else { continue };
+            let snapshot = frame.kind != FrameKind::Delta;
             match op {
+                Op::Store { blocks, .. } if snapshot => stats.stored += self.stage(blocks, slot, false),
+                Op::StoreOffloaded { blocks, .. } if snapshot => stats.stored += self.stage(blocks, slot, true),
                 Op::Store { blocks, .. } => stats.stored += self.store_many(blocks, slot, Hold::Gpu),
                 Op::StoreOffloaded { blocks, .. } => stats.stored += self.store_many(blocks, slot, Hold::Offloaded),
                 Op::Remove { blocks, .. } => {
@@ -227,8 +248,9 @@ impl SyncIndex {
 
     fn reset(&mut self) {
         for b in 0..self.buckets.len() {
-            if !self.buckets[b].is_empty() || self.rewrite_all {
+            if !self.buckets[b].is_empty() || !self.staged[b].is_empty() || self.rewrite_all {
                 self.buckets[b].clear();
+                self.staged[b].clear();
                 self.mark(b as u32);
             }
         }
@@ -311,6 +333,61 @@ impl SyncIndex {
         }
     }
 
+    /// Keeps a snapshot page's stores on `slot` for a later merge ([`Staged`]); returns
+    /// their count.
+    fn stage(&mut self, blocks: &[crate::feed::FeedBlock], slot: usize, offloaded: bool) -> u64 {
+        let slot = slot as u16; // < MAX_SLOTS
+        for blk in blocks {
+            let b = bucket_of(blk.anchor, self.n_buckets);
+            self.staged[b as usize].push(Staged { hash: blk.hash, slot, offloaded });
+            self.mark(b);
+        }
+        blocks.len() as u64
+    }
+
+    /// Merges bucket `b`'s staged stores into its sorted entries, in one pass. Stores of
+    /// one block keep their page order (a later one decides the tier).
+    fn merge_staged(&mut self, b: u32) {
+        let mut staged = std::mem::take(&mut self.staged[b as usize]);
+        if staged.is_empty() {
+            return;
+        }
+        staged.sort_by_key(|s| s.hash);
+        let (mw, stride) = (self.mask_words, self.stride());
+        let old = std::mem::take(&mut self.buckets[b as usize]);
+        let mut merged = Vec::with_capacity(old.len() + staged.len() * stride);
+        let (mut o, mut i) = (0, 0);
+        while i < staged.len() {
+            let hash = staged[i].hash;
+            while o < old.len() && old[o] < hash {
+                merged.extend_from_slice(&old[o..o + stride]);
+                o += stride;
+            }
+            let at = merged.len();
+            if o < old.len() && old[o] == hash {
+                merged.extend_from_slice(&old[o..o + stride]);
+                o += stride;
+            } else {
+                merged.push(hash);
+                merged.extend(std::iter::repeat_n(0, 2 * mw));
+                self.entries += 1;
+            }
+            while i < staged.len() && staged[i].hash == hash {
+                let s = staged[i];
+                let (word, bit) = (usize::from(s.slot) / 64, 1u64 << (s.slot % 64));
+                merged[at + 1 + word] |= bit;
+                if s.offloaded {
+                    merged[at + 1 + mw + word] |= bit;
+                } else {
+                    merged[at + 1 + mw + word] &= !bit;
+                }
+                i += 1;
+            }
+        }
+        merged.extend_from_slice(&old[o..]);
+        self.buckets[b as usize] = merged;
+    }
+
     /// Stores many blocks on `slot` (a snapshot page, a large delta): per bucket, the new
     /// hashes are sorted and merged into the bucket's sorted entries in one pass, instead
     /// of one insertion (a shift of the bucket's tail) per block. Returns the changes.
@@ -328,6 +405,7 @@ impl SyncIndex {
         while i < new.len() {
             let b = new[i].0;
             let end = i + new[i..].partition_point(|(nb, _)| *nb == b);
+            self.merge_staged(b);
             let old = std::mem::take(&mut self.buckets[b as usize]);
             let mut merged = Vec::with_capacity(old.len() + (end - i) * stride);
             let mut o = 0;
@@ -372,6 +450,7 @@ impl SyncIndex {
     /// Sets how `slot` holds `hash`; true when that changed anything.
     fn set_hold(&mut self, hash: u64, anchor: u64, slot: usize, hold: Hold) -> bool {
         let b = bucket_of(anchor, self.n_buckets);
+        self.merge_staged(b);
         let (mw, stride) = (self.mask_words, self.stride());
         let entries = &mut self.buckets[b as usize];
         let n = entries.len() / stride;
@@ -431,6 +510,7 @@ impl SyncIndex {
             return;
         }
         for b in 0..self.buckets.len() {
+            self.merge_staged(b as u32);
             let entries = &mut self.buckets[b];
             if entries.is_empty() {
                 continue;
@@ -464,6 +544,13 @@ impl SyncIndex {
             self.is_dirty[b as usize] = false;
         }
         std::mem::take(&mut self.dirty)
+    }
+
+    #[cfg(test)]
+    fn merge_all(&mut self) {
+        for b in 0..self.n_buckets {
+            self.merge_staged(b);
+        }
     }
 
     /// One changed bucket to write, if any is left.
@@ -515,6 +602,7 @@ impl SyncIndex {
     /// The index part of bucket `b` as stored: `(mask_words, tiered, n_idx, raw entries)`.
     /// The offloaded-only masks are written only when one of them is not empty.
     pub fn encode_idx(&self, b: u32) -> (usize, bool, usize, Vec<u8>) {
+        debug_assert!(self.staged[b as usize].is_empty(), "bucket {b} read before its staged stores are merged");
         let (mw, stride) = (self.mask_words, self.stride());
         let entries = &self.buckets[b as usize];
         let tiered = entries.chunks_exact(stride).any(|e| e[1 + mw..].iter().any(|w| *w != 0));
@@ -594,6 +682,7 @@ pub fn publish_within(index: &mut SyncIndex, store: &dyn SharedStore, budget_byt
     let mut failed = Vec::new();
     while stats.bucket_bytes < budget_bytes as u64 {
         let Some(b) = index.pop_dirty() else { break };
+        index.merge_staged(b);
         match write_bucket(index, store, b) {
             Some(bytes) => {
                 stats.bucket_writes += 1;
@@ -661,23 +750,26 @@ mod tests {
         Frame { kind, epoch: 1, from_version: from, to_version: to, next_cursor: 0, block_size: 16, workers, ops }
     }
 
-    fn bucket_bytes(ix: &SyncIndex, anchor: u64) -> Vec<u8> {
-        let (mask_words, tiered, n, raw) = ix.encode_idx(bucket_of(anchor, ix.n_buckets()));
+    fn bucket_bytes(ix: &mut SyncIndex, anchor: u64) -> Vec<u8> {
+        let b = bucket_of(anchor, ix.n_buckets());
+        ix.merge_staged(b);
+        let (mask_words, tiered, n, raw) = ix.encode_idx(b);
         encode_bucket(IndexPart { mask_words, tiered, n, raw: &raw }, 0, &[], 0)
     }
 
-    fn holders(ix: &SyncIndex, hash: u64, anchor: u64) -> Vec<usize> {
+    fn holders(ix: &mut SyncIndex, hash: u64, anchor: u64) -> Vec<usize> {
         Bucket::parse(&bucket_bytes(ix, anchor)).unwrap().holders(hash, 0, false, &SlotSet::FULL).iter().collect()
     }
 
-    fn offloaded(ix: &SyncIndex, hash: u64, anchor: u64) -> Vec<usize> {
+    fn offloaded(ix: &mut SyncIndex, hash: u64, anchor: u64) -> Vec<usize> {
         let bytes = bucket_bytes(ix, anchor);
         Bucket::parse(&bytes).unwrap().offloaded_only(hash, 0, false, &SlotSet::FULL).iter().collect()
     }
 
     #[test]
-    fn bulk_stores_equal_one_by_one_stores() {
-        // The same ops applied through store_many (≥ 8 blocks) and through set_hold.
+    fn bulk_and_staged_stores_equal_one_by_one_stores() {
+        // The same ops applied through store_many (≥ 8 blocks, a delta), staged (a
+        // snapshot, merged when read) and through set_hold.
         let ws = vec![worker("a:1"), worker("b:1"), worker("c:1")];
         let blocks: Vec<FeedBlock> =
             (0..500u64).map(|i| FeedBlock { hash: i.wrapping_mul(0x9E37_79B9_7F4A_7C15), anchor: i % 7 }).collect();
@@ -688,7 +780,12 @@ mod tests {
             Op::Store { worker: 1, blocks: blocks[150..160].to_vec() },
         ];
         let mut bulk = SyncIndex::new(8);
-        let bulk_stats = bulk.apply(&frame(FrameKind::SnapshotStart, 0, 1, ws.clone(), ops.clone())).unwrap();
+        bulk.apply(&frame(FrameKind::SnapshotStart, 0, 1, ws.clone(), vec![])).unwrap();
+        let bulk_stats = bulk.apply(&frame(FrameKind::Delta, 1, 2, ws.clone(), ops.clone())).unwrap();
+        let mut staged = SyncIndex::new(8);
+        staged.apply(&frame(FrameKind::SnapshotStart, 0, 1, ws.clone(), ops.clone())).unwrap();
+        assert_eq!(staged.entries, 0, "a snapshot's stores wait for their bucket's merge");
+        staged.merge_all();
         let mut single = SyncIndex::new(8);
         single.apply(&frame(FrameKind::SnapshotStart, 0, 1, ws, vec![])).unwrap();
         let mut stored = 0;
@@ -703,7 +800,9 @@ mod tests {
             }
         }
         assert_eq!(bulk.buckets, single.buckets);
+        assert_eq!(staged.buckets, single.buckets);
         assert_eq!((bulk.entries, bulk_stats.stored), (single.entries, stored));
+        assert_eq!(staged.entries, single.entries);
     }
 
     #[test]
@@ -718,8 +817,8 @@ mod tests {
             vec![Op::Store { worker: 0, blocks: vec![blk(7)] }, Op::StoreOffloaded { worker: 1, blocks: vec![blk(7)] }],
         ))
         .unwrap();
-        assert_eq!((holders(&ix, 7, 1000), offloaded(&ix, 7, 1000)), (vec![0, 1], vec![1]));
-        assert!(Bucket::parse(&bucket_bytes(&ix, 1000)).unwrap().is_tiered());
+        assert_eq!((holders(&mut ix, 7, 1000), offloaded(&mut ix, 7, 1000)), (vec![0, 1], vec![1]));
+        assert!(Bucket::parse(&bucket_bytes(&mut ix, 1000)).unwrap().is_tiered());
         // b's copy comes back to its GPU; a's goes to CPU; then a loses it altogether.
         ix.apply(&frame(
             FrameKind::Delta,
@@ -729,11 +828,11 @@ mod tests {
             vec![Op::Store { worker: 1, blocks: vec![blk(7)] }, Op::StoreOffloaded { worker: 0, blocks: vec![blk(7)] }],
         ))
         .unwrap();
-        assert_eq!((holders(&ix, 7, 1000), offloaded(&ix, 7, 1000)), (vec![0, 1], vec![0]));
+        assert_eq!((holders(&mut ix, 7, 1000), offloaded(&mut ix, 7, 1000)), (vec![0, 1], vec![0]));
         ix.apply(&frame(FrameKind::Delta, 2, 3, ws, vec![Op::Remove { worker: 0, blocks: vec![blk(7)] }])).unwrap();
-        assert_eq!((holders(&ix, 7, 1000), offloaded(&ix, 7, 1000)), (vec![1], vec![]));
+        assert_eq!((holders(&mut ix, 7, 1000), offloaded(&mut ix, 7, 1000)), (vec![1], vec![]));
         // No offloaded holder left: the bucket is written in the untiered format.
-        assert!(!Bucket::parse(&bucket_bytes(&ix, 1000)).unwrap().is_tiered());
+        assert!(!Bucket::parse(&bucket_bytes(&mut ix, 1000)).unwrap().is_tiered());
     }
 
     fn blk(hash: u64) -> FeedBlock {
@@ -754,7 +853,7 @@ mod tests {
         );
         ix.apply(&snap).unwrap();
         assert_eq!(ix.take_dirty().len(), 64, "first snapshot rewrites every bucket");
-        assert_eq!(holders(&ix, 7, 1000), vec![1]);
+        assert_eq!(holders(&mut ix, 7, 1000), vec![1]);
         assert_eq!(ix.poll_position(), PollPosition { epoch: 1, since: 5, cursor: 0 });
         let d = frame(
             FrameKind::Delta,
@@ -765,8 +864,8 @@ mod tests {
         );
         let st = ix.apply(&d).unwrap();
         assert_eq!((st.stored, st.removed), (1, 1));
-        assert_eq!(holders(&ix, 7, 1000), vec![0, 1]);
-        assert!(holders(&ix, 8, 1000).is_empty());
+        assert_eq!(holders(&mut ix, 7, 1000), vec![0, 1]);
+        assert!(holders(&mut ix, 8, 1000).is_empty());
         assert_eq!(ix.take_dirty(), vec![bucket_of(1000, 64)]);
         assert_eq!(ix.entries(), 1);
         // A delta that does not start at our version forces a snapshot.
@@ -794,14 +893,14 @@ mod tests {
             t.slots.iter().map(|s| (s.id.as_str(), s.state)).collect::<Vec<_>>(),
             vec![("a:1", SlotState::Up), ("b:1", SlotState::Gone), ("c:1", SlotState::Up)]
         );
-        assert_eq!(holders(&ix, 1, 1000), vec![0]);
+        assert_eq!(holders(&mut ix, 1, 1000), vec![0]);
         assert!(ix.take_table().is_none());
         // Down state and clear.
         let mut down = worker("a:1");
         down.up = false;
         ix.apply(&frame(FrameKind::Delta, 2, 3, vec![down, worker("c:1")], vec![Op::Clear { worker: 0 }])).unwrap();
         assert_eq!(ix.table().slots[0].state, SlotState::Down);
-        assert!(holders(&ix, 1, 1000).is_empty());
+        assert!(holders(&mut ix, 1, 1000).is_empty());
         assert_eq!(ix.entries(), 0);
     }
 
@@ -819,7 +918,7 @@ mod tests {
         .unwrap();
         ix.apply(&frame(FrameKind::Delta, 1, 2, ws.clone(), vec![Op::Store { worker: 69, blocks: vec![blk(5)] }]))
             .unwrap();
-        assert_eq!(holders(&ix, 5, 1000), vec![1, 69]);
+        assert_eq!(holders(&mut ix, 5, 1000), vec![1, 69]);
     }
 
     #[test]
@@ -844,6 +943,7 @@ mod tests {
         );
         ix.apply(&p2).unwrap();
         assert_eq!(ix.poll_position(), PollPosition { epoch: 1, since: 9, cursor: 0 });
+        ix.merge_all();
         assert_eq!(ix.entries(), 2);
         // A stray continuation page is refused.
         assert!(ix.apply(&p2).is_err());

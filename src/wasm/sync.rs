@@ -237,7 +237,6 @@ impl SyncRoot {
         self.last_ok_ms = host::now_ms();
         self.index.set_live(true);
         self.publish();
-        self.metrics.entries.set(self.index.entries());
         // Long poll: ask again at once.
         self.poll();
     }
@@ -249,6 +248,7 @@ impl SyncRoot {
         let stats = publish(&mut self.index, &HostStore);
         self.metrics.bucket_writes.add(stats.bucket_writes);
         self.metrics.write_failures.add(stats.failures);
+        self.metrics.entries.set(self.index.entries());
         if !self.index.snapshot_in_progress() && !self.index.has_unpublished() {
             // The version the filters now route on.
             self.metrics.version.set(self.index.version());

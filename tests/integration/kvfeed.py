@@ -124,6 +124,7 @@ class FeedState:
         self.polls = 0
         self.page_blocks = None  # page snapshots when set
         self.hold_pages = False  # while set, a snapshot's later pages wait (a slow snapshot)
+        self.page_requests = 0  # requests for a later page (the client applied the one before)
         self.snapshot = None
         self.snapshot_pages_served = 0
 
@@ -223,6 +224,7 @@ class FeedState:
         s_epoch, s_version, wl, pages = self.snapshot
         if (epoch, since) != (s_epoch, s_version) or cursor >= len(pages):
             return None
+        self.page_requests += 1
         self.cond.wait_for(lambda: not self.hold_pages, 30)
         self.snapshot_pages_served += 1
         return encode_frame(SNAPSHOT_MORE, s_epoch, 0, s_version, self.block_size, wl, pages[cursor],
