@@ -78,7 +78,7 @@ pub struct SyncIndex {
 struct Staged {
     hash: u64,
     slot: u16,
-    offloaded: bool,
+    hold: Hold,
 }
 
 impl SyncIndex {
@@ -223,8 +223,10 @@ impl SyncIndex {
             let Some(Some(slot)) = slot_of.get(*worker as usize).copied() else { continue };
             let snapshot = frame.kind != FrameKind::Delta;
             match op {
-                Op::Store { blocks, .. } if snapshot => stats.stored += self.stage(blocks, slot, false),
-                Op::StoreOffloaded { blocks, .. } if snapshot => stats.stored += self.stage(blocks, slot, true),
+                Op::Store { blocks, .. } if snapshot => stats.stored += self.stage(blocks, slot, Hold::Gpu),
+                Op::StoreOffloaded { blocks, .. } if snapshot => {
+                    stats.stored += self.stage(blocks, slot, Hold::Offloaded)
+                }
                 Op::Store { blocks, .. } => stats.stored += self.store_many(blocks, slot, Hold::Gpu),
                 Op::StoreOffloaded { blocks, .. } => stats.stored += self.store_many(blocks, slot, Hold::Offloaded),
                 Op::Remove { blocks, .. } => {
@@ -335,11 +337,11 @@ impl SyncIndex {
 
     /// Keeps a snapshot page's stores on `slot` for a later merge ([`Staged`]); returns
     /// their count.
-    fn stage(&mut self, blocks: &[crate::feed::FeedBlock], slot: usize, offloaded: bool) -> u64 {
+    fn stage(&mut self, blocks: &[crate::feed::FeedBlock], slot: usize, hold: Hold) -> u64 {
         let slot = slot as u16; // < MAX_SLOTS
         for blk in blocks {
             let b = bucket_of(blk.anchor, self.n_buckets);
-            self.staged[b as usize].push(Staged { hash: blk.hash, slot, offloaded });
+            self.staged[b as usize].push(Staged { hash: blk.hash, slot, hold });
             self.mark(b);
         }
         blocks.len() as u64
@@ -359,28 +361,10 @@ impl SyncIndex {
         let (mut o, mut i) = (0, 0);
         while i < staged.len() {
             let hash = staged[i].hash;
-            while o < old.len() && old[o] < hash {
-                merged.extend_from_slice(&old[o..o + stride]);
-                o += stride;
-            }
-            let at = merged.len();
-            if o < old.len() && old[o] == hash {
-                merged.extend_from_slice(&old[o..o + stride]);
-                o += stride;
-            } else {
-                merged.push(hash);
-                merged.extend(std::iter::repeat_n(0, 2 * mw));
-                self.entries += 1;
-            }
+            let (at, fresh) = merge_up_to(&old, &mut o, &mut merged, hash, stride);
+            self.entries += u64::from(fresh);
             while i < staged.len() && staged[i].hash == hash {
-                let s = staged[i];
-                let (word, bit) = (usize::from(s.slot) / 64, 1u64 << (s.slot % 64));
-                merged[at + 1 + word] |= bit;
-                if s.offloaded {
-                    merged[at + 1 + mw + word] |= bit;
-                } else {
-                    merged[at + 1 + mw + word] &= !bit;
-                }
+                set_hold_bits(&mut merged[at..at + stride], mw, usize::from(staged[i].slot), staged[i].hold);
                 i += 1;
             }
         }
@@ -399,7 +383,6 @@ impl SyncIndex {
         new.sort_unstable();
         new.dedup();
         let (mw, stride) = (self.mask_words, self.stride());
-        let (word, bit) = (slot / 64, 1u64 << (slot % 64));
         let mut changed = 0u64;
         let mut i = 0;
         while i < new.len() {
@@ -411,28 +394,9 @@ impl SyncIndex {
             let mut o = 0;
             let mut bucket_changed = false;
             for &(_, hash) in &new[i..end] {
-                while o < old.len() && old[o] < hash {
-                    merged.extend_from_slice(&old[o..o + stride]);
-                    o += stride;
-                }
-                let at = merged.len();
-                if o < old.len() && old[o] == hash {
-                    merged.extend_from_slice(&old[o..o + stride]);
-                    o += stride;
-                } else {
-                    merged.push(hash);
-                    merged.extend(std::iter::repeat_n(0, 2 * mw));
-                    self.entries += 1;
-                }
-                let (held, off) = (at + 1 + word, at + 1 + mw + word);
-                let before = (merged[held] & bit, merged[off] & bit);
-                merged[held] |= bit;
-                if hold == Hold::Offloaded {
-                    merged[off] |= bit;
-                } else {
-                    merged[off] &= !bit;
-                }
-                if before != (merged[held] & bit, merged[off] & bit) {
+                let (at, fresh) = merge_up_to(&old, &mut o, &mut merged, hash, stride);
+                self.entries += u64::from(fresh);
+                if set_hold_bits(&mut merged[at..at + stride], mw, slot, hold) {
                     changed += 1;
                     bucket_changed = true;
                 }
@@ -463,7 +427,6 @@ impl SyncIndex {
                 hi = mid;
             }
         }
-        let (word, bit) = (slot / 64, 1u64 << (slot % 64));
         let found = lo < n && entries[lo * stride] == hash;
         if !found {
             if hold == Hold::None {
@@ -474,23 +437,7 @@ impl SyncIndex {
             entries[at] = hash;
         }
         let at = lo * stride;
-        let (held, off) = (at + 1 + word, at + 1 + mw + word);
-        let before = (entries[held] & bit, entries[off] & bit);
-        match hold {
-            Hold::Gpu => {
-                entries[held] |= bit;
-                entries[off] &= !bit;
-            }
-            Hold::Offloaded => {
-                entries[held] |= bit;
-                entries[off] |= bit;
-            }
-            Hold::None => {
-                entries[held] &= !bit;
-                entries[off] &= !bit;
-            }
-        }
-        let changed = before != (entries[held] & bit, entries[off] & bit);
+        let changed = set_hold_bits(&mut entries[at..at + stride], mw, slot, hold);
         if !found {
             self.entries += 1;
         } else if entries[at + 1..at + 1 + mw].iter().all(|w| *w == 0) {
@@ -638,6 +585,47 @@ enum Hold {
     Gpu,
     Offloaded,
     None,
+}
+
+/// Sets how `slot` holds the block of `entry` (`[hash, holders, offloaded-only]`, masks of
+/// `mw` words); true when that changed anything.
+fn set_hold_bits(entry: &mut [u64], mw: usize, slot: usize, hold: Hold) -> bool {
+    let (word, bit) = (slot / 64, 1u64 << (slot % 64));
+    let (held, off) = (1 + word, 1 + mw + word);
+    let before = (entry[held] & bit, entry[off] & bit);
+    let (holds, offloaded) = match hold {
+        Hold::Gpu => (true, false),
+        Hold::Offloaded => (true, true),
+        Hold::None => (false, false),
+    };
+    for (i, set) in [(held, holds), (off, offloaded)] {
+        if set {
+            entry[i] |= bit;
+        } else {
+            entry[i] &= !bit;
+        }
+    }
+    before != (entry[held] & bit, entry[off] & bit)
+}
+
+/// One step of merging into a bucket's sorted entries: copies `old`'s entries below `hash`
+/// (from offset `*o` on) to `merged`, then `hash`'s own entry — the old one, or a new one
+/// that no worker holds yet. Returns that entry's offset in `merged`, and whether it is new.
+fn merge_up_to(old: &[u64], o: &mut usize, merged: &mut Vec<u64>, hash: u64, stride: usize) -> (usize, bool) {
+    while *o < old.len() && old[*o] < hash {
+        merged.extend_from_slice(&old[*o..*o + stride]);
+        *o += stride;
+    }
+    let at = merged.len();
+    if *o < old.len() && old[*o] == hash {
+        merged.extend_from_slice(&old[*o..*o + stride]);
+        *o += stride;
+        (at, false)
+    } else {
+        merged.push(hash);
+        merged.extend(std::iter::repeat_n(0, stride - 1));
+        (at, true)
+    }
 }
 
 /// Shared-data writes of one [`publish`].

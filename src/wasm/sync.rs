@@ -128,10 +128,10 @@ impl SyncRoot {
                 // publish write the stale flag now (it holds back a snapshot in progress).
                 self.index.request_snapshot();
             }
-            self.publish();
         }
         if self.index.has_unpublished() {
-            // What the last publish's byte budget left over (or a failed write's retry).
+            // The stale flag just set, what the last publish's byte budget left over, or
+            // a failed write's retry.
             self.publish();
         }
         if self.in_flight.is_none() && now >= self.next_poll_ms {
