@@ -98,7 +98,9 @@ impl SyncIndex {
             rewrite_all: true,
             dirty: Vec::new(),
             is_dirty: vec![false; n],
-            table_dirty: true,
+            // Nothing to say before the feed (or a restored table) says something: an
+            // empty table would turn the filters' "no table" into "no worker up".
+            table_dirty: false,
             entries: 0,
             staged: vec![Vec::new(); n],
         }
@@ -978,6 +980,23 @@ mod tests {
             assert_eq!(parts.get(&bucket_key(b)).unwrap().0, whole.get(&bucket_key(b)).unwrap().0, "bucket {b}");
         }
         assert_eq!(parts.get(TABLE_KEY).unwrap().0, whole.get(TABLE_KEY).unwrap().0);
+    }
+
+    #[test]
+    fn a_fresh_index_publishes_nothing_until_the_feed_answers() {
+        use crate::memstore::MemStore;
+        let store = MemStore::new();
+        let mut ix = SyncIndex::new(16);
+        assert!(!ix.has_unpublished());
+        publish(&mut ix, &store);
+        assert!(store.get(TABLE_KEY).unwrap().0.is_none());
+
+        ix.apply(&frame(FrameKind::SnapshotStart, 0, 1, vec![worker("a:1")], vec![])).unwrap();
+        ix.set_live(true);
+        assert!(ix.has_unpublished());
+        publish(&mut ix, &store);
+        let table = WorkerTable::decode(&store.get(TABLE_KEY).unwrap().0.unwrap()).unwrap();
+        assert_eq!((table.index_live, table.slots.len()), (true, 1));
     }
 
     #[test]

@@ -223,6 +223,9 @@ def test_active_blocks_return_to_zero(setup):
 
 def test_traffic_flows_without_the_feed(setup):
     s = setup(n_workers=3, feed=False)
+    # Several sync ticks pass without an answer: still no table (an empty one would read
+    # as "no worker up").
+    wait_for(lambda: s.envoy.stat("kvroute_sync.polls_failed") >= 3, what="failed polls")
     for _ in range(6):
         status, h, _ = s.envoy.request(headers={"x-prompt-token-ids": dec(tokens(1, 64))})
         assert status == 200
