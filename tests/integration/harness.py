@@ -164,11 +164,7 @@ class Envoy:
             pin + [envoy_binary(), "-c", self.config_path, "--concurrency", str(concurrency),
              "--base-id", str(admin_port), "-l", "warning", "--component-log-level", "wasm:info"],
             stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT)
-        try:
-            self._wait_ready()
-        except Exception:
-            self.stop()  # no process or temp dir left behind
-            raise
+        ready_or_stop(self, self._wait_ready)
 
     def _wait_ready(self, timeout=30):
         wait_http_ok(self.proc, f"http://127.0.0.1:{self.admin}/ready", "envoy", self.logs, timeout)
@@ -209,6 +205,16 @@ class Envoy:
 
     def stop(self):
         stop_process(self.proc, self.log, self.dir)
+
+
+def ready_or_stop(server, wait):
+    """Runs `wait`; if it does not return (an error, or Ctrl-C: a script's signal handler
+    only stops the servers it was handed), stops `server` so no process is left behind."""
+    try:
+        wait()
+    except BaseException:
+        server.stop()
+        raise
 
 
 def wait_http_ok(proc, url, what, logs, timeout):
@@ -286,7 +292,7 @@ class Sidecar:
                                      stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT,
                                      env={**os.environ, "RUST_LOG": "info"})
         if wait:
-            self._wait_ready()
+            ready_or_stop(self, self._wait_ready)
 
     def _wait_ready(self, timeout=15):
         wait_http_ok(self.proc, f"http://127.0.0.1:{self.port}/healthz", "sidecar", self.logs, timeout)
@@ -346,7 +352,7 @@ class MockEngine:
         self.log_path = os.path.join(self.dir, "engine.log")
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT)
-        wait_http_ok(self.proc, f"http://{self.id}/health", "engine", self.logs, 15)
+        ready_or_stop(self, lambda: wait_http_ok(self.proc, f"http://{self.id}/health", "engine", self.logs, 15))
 
     def logs(self):
         return pathlib.Path(self.log_path).read_text(errors="replace")
@@ -389,6 +395,7 @@ class Processes:
 
         def on_signal(signum, _frame):
             self.stop_all()
+            end_children()
             sys.exit(128 + signum)
 
         signal.signal(signal.SIGINT, on_signal)
@@ -409,6 +416,35 @@ class Processes:
             except Exception:  # noqa: BLE001 — best effort: stop the rest
                 pass
         self.items.clear()
+
+
+def end_children(grace=10):
+    """SIGTERM (SIGKILL after `grace` seconds) to every child this process still has. A
+    signal that lands while subprocess.Popen waits for its child's exec raises out of
+    Popen and leaves a running child no object holds."""
+    import signal
+    me = os.getpid()
+    children = []
+    for p in pathlib.Path("/proc").iterdir():
+        try:
+            if p.name.isdigit() and int((p / "stat").read_text().rsplit(")", 1)[1].split()[1]) == me:
+                children.append(int(p.name))
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
+    deadline = time.time() + grace
+    for pid in children:
+        try:
+            os.kill(pid, signal.SIGTERM)
+            while os.waitpid(pid, os.WNOHANG) == (0, 0):
+                if time.time() > deadline:
+                    os.kill(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)
+                    break
+                time.sleep(0.02)
+        except ChildProcessError:
+            pass  # already reaped
+        except ProcessLookupError:
+            pass
 
 
 def start_fleet(procs, n, blocks, speedup):

@@ -172,9 +172,9 @@ def test_the_seeds_verification_through_envoy():
 
 
 def _our_processes():
-    """PIDs of running engines, sidecars and Envoys (what the demo starts)."""
+    """Running engines, sidecars and Envoys (what the demo starts): {pid: command line}."""
     import pathlib
-    out = set()
+    out = {}
     for p in pathlib.Path("/proc").iterdir():
         if not p.name.isdigit():
             continue
@@ -183,7 +183,7 @@ def _our_processes():
         except OSError:
             continue
         if any(n in cmd for n in ("kvroute-fleet worker", "kvroute-sidecar --config", "envoy -c")):
-            out.add(int(p.name))
+            out[int(p.name)] = cmd
     return out
 
 
@@ -206,7 +206,8 @@ def test_a_short_demo_run_completes_and_leaves_nothing_behind(tmp_path):
     k = json.loads((tmp_path / "kvroute.json").read_text())
     assert k["failed"] == 0 and k["requests"] == 12
     time.sleep(0.5)
-    assert _our_processes() - before == set()
+    left = {pid: cmd for pid, cmd in _our_processes().items() if pid not in before}
+    assert left == {}
 
 
 def test_ctrl_c_stops_everything_the_demo_started(tmp_path):
@@ -229,7 +230,33 @@ def test_ctrl_c_stops_everything_the_demo_started(tmp_path):
         if p.poll() is None:
             p.kill()
     time.sleep(0.5)
-    assert _our_processes() - before == set()
+    left = {pid: cmd for pid, cmd in _our_processes().items() if pid not in before}
+    assert left == {}
+
+
+def test_ctrl_c_also_ends_a_child_no_object_holds():
+    """A signal during subprocess.Popen's wait for exec leaves a child outside the
+    registry; the signal handler ends it too."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from harness import ROOT
+    script = ("import subprocess, sys, time\n"
+              f"sys.path.insert(0, {str(ROOT / 'tests' / 'integration')!r})\n"
+              "from harness import Processes\n"
+              "procs = Processes()\n"
+              "print(subprocess.Popen(['sleep', '60']).pid, flush=True)\n"
+              "time.sleep(60)\n")
+    p = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(p.stdout.readline())
+        p.send_signal(signal.SIGINT)
+        assert p.wait(timeout=20) == 128 + signal.SIGINT
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert not os.path.exists(f"/proc/{child}"), "the unregistered child outlived the script"
 
 
 def test_docker_compose_file_is_consistent():
