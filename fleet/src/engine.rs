@@ -1,8 +1,11 @@
 //! The mock engine's scheduler: one GPU, steps of continuous batching, as vLLM runs them
 //! where a router can tell.
 //!
-//! Each step runs a prefill chunk (of the request at the head of a FIFO queue, at most
-//! `step_token_budget` uncached tokens) and one decode token for every running sequence.
+//! Each step packs prefill chunks, first come first served, up to `step_token_budget`
+//! uncached tokens (a prefill in progress first, then waiting requests; the last one may
+//! get a partial chunk and go on next step), and one decode token for every running
+//! sequence. A chunk's full blocks enter the prefix cache when it is scheduled, as in
+//! vLLM, so a request scheduled behind it in the same step hits them.
 //!
 //! ```text
 //! step time = [prefill_overhead if a prefill starts] + prefill_per_token × chunk tokens
@@ -10,16 +13,16 @@
 //! ```
 //!
 //! So a request's time to first token grows with its *uncached* tokens and with the
-//! prefills queued ahead of it, and decoding slows as the batch grows. The core is pure:
-//! `plan` says what the next step does and how long it takes; the caller sleeps that long
-//! (divided by its speed-up) and calls `complete`. Defaults: [`Timing::default`].
+//! prefill tokens queued ahead of it, and decoding slows as the batch grows. The core is
+//! pure: `plan` schedules the next step and says how long it takes; the caller sleeps that
+//! long (divided by its speed-up) and calls `complete`. Defaults: [`Timing::default`].
 
 use crate::kvcache::{Allocation, KvCache, KvEvent};
 use std::collections::VecDeque;
 use std::time::Duration;
 
-/// The timing model. Defaults: a 7–8B model on one H100 (vLLM, bf16): ~30 ms fixed cost to
-/// start a prefill, ~0.2 ms per uncached prompt token, ~12 ms per output token at small
+/// The timing model. Defaults: a 7–8B model on one H100 (vLLM, bf16): ~30 ms fixed cost for
+/// a step that starts prefills, ~0.2 ms per uncached prompt token, ~12 ms per output token at small
 /// batch, twice that at 64 running sequences; 8192 tokens per step (vLLM's default
 /// `max_num_batched_tokens` with chunked prefill).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -81,6 +84,10 @@ struct Prefill {
     hashes: Vec<u64>,
     /// Uncached prompt tokens still to compute.
     left: usize,
+    /// Prompt tokens computed or cached once the scheduled chunks are done.
+    computed: usize,
+    /// Tokens of the step being run (`plan` sets it, `complete` applies it).
+    chunk: usize,
     started: bool,
 }
 
@@ -93,11 +100,13 @@ struct Running {
     generated: usize,
 }
 
-/// The next step's plan.
+/// The next step, as scheduled.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Plan {
     pub duration: Duration,
+    /// Uncached prompt tokens computed, over `prefills` requests.
     pub prefill_tokens: usize,
+    pub prefills: usize,
     pub decoding: usize,
 }
 
@@ -181,47 +190,60 @@ impl Engine {
         self.waiting.is_empty() && self.prefilling.is_empty() && self.running.is_empty()
     }
 
-    /// Schedules the next waiting request's prefill once the previous one is done (one
-    /// prefill at a time, FIFO). A simplification: vLLM packs several prefills into a step
-    /// up to its token budget, so this model charges every short (mostly cached) prefill
-    /// its own step overhead — pessimistic for one engine serving a hot prefix.
-    /// Its cache hits are looked up then, as vLLM does when it schedules a request — so a
-    /// request queued behind another with the same prefix finds that prefix computed.
-    /// Requests that could never fit are rejected.
-    fn admit(&mut self, out: &mut Vec<Output>) {
-        while self.prefilling.is_empty() {
-            let Some(req) = self.waiting.front() else { break };
+    /// Admits the next waiting request, its cache hits looked up now (as vLLM does when it
+    /// schedules a request, so it finds what the chunks scheduled before it cached). A
+    /// request that could never fit is rejected; `false` when none can be admitted yet.
+    fn admit_next(&mut self, rejected: &mut Vec<Output>) -> bool {
+        loop {
+            let Some(req) = self.waiting.front() else { return false };
             let bs = self.cache.block_size();
             let total = (req.prompt.len() + req.max_tokens).div_ceil(bs);
             if !self.cache.fits(total) {
-                out.push(Output::Rejected { id: req.id });
+                rejected.push(Output::Rejected { id: req.id });
                 self.waiting.pop_front();
                 continue;
             }
             let hashes = self.cache.hashes(&req.prompt);
-            let Some(alloc) = self.cache.admit(&hashes, total) else { break };
-            let Some(req) = self.waiting.pop_front() else { break };
-            let cached = alloc.hit_blocks * bs;
+            let Some(alloc) = self.cache.admit(&hashes, total) else { return false };
+            let Some(req) = self.waiting.pop_front() else { return false };
+            let cached = (alloc.hit_blocks * bs).min(req.prompt.len());
             // vLLM recomputes at least the last prompt token to produce the first output.
-            let left = (req.prompt.len() - cached.min(req.prompt.len())).max(1);
-            self.prefilling.push_back(Prefill { req, alloc, hashes, left, started: false });
+            let left = (req.prompt.len() - cached).max(1);
+            let computed = req.prompt.len() - left;
+            self.prefilling.push_back(Prefill { req, alloc, hashes, left, computed, chunk: 0, started: false });
+            return true;
         }
     }
 
-    /// What the next step does, or `None` when there is nothing to do; `rejected` gets the
+    /// Schedules the next step, or `None` when there is nothing to do; `rejected` gets the
     /// requests that can never run.
     pub fn plan(&mut self, rejected: &mut Vec<Output>) -> Option<Plan> {
         self.drop_aborted();
-        self.admit(rejected);
-        let t = &self.timing;
-        let mut duration = Duration::ZERO;
-        let mut prefill_tokens = 0;
-        if let Some(p) = self.prefilling.front() {
-            prefill_tokens = p.left.min(t.step_token_budget);
-            if !p.started {
-                duration += t.prefill_overhead;
+        let t = self.timing;
+        let mut budget = t.step_token_budget;
+        let (mut prefill_tokens, mut prefills, mut starts) = (0, 0, false);
+        while budget > 0 {
+            if prefills == self.prefilling.len() && !self.admit_next(rejected) {
+                break;
             }
-            duration += t.prefill_per_token * prefill_tokens as u32;
+            let bs = self.cache.block_size();
+            let Some(p) = self.prefilling.get_mut(prefills) else { break };
+            p.chunk = p.left.min(budget);
+            p.computed += p.chunk;
+            starts |= !p.started;
+            // The chunk's full blocks are cached as it is scheduled.
+            let full = (p.computed / bs).min(p.hashes.len());
+            let from = p.alloc.chain.len();
+            if full > from {
+                self.cache.commit(&mut p.alloc, &p.hashes[from..full], &p.req.prompt[from * bs..full * bs]);
+            }
+            budget -= p.chunk;
+            prefill_tokens += p.chunk;
+            prefills += 1;
+        }
+        let mut duration = t.prefill_per_token * prefill_tokens as u32;
+        if starts {
+            duration += t.prefill_overhead;
         }
         let decoding = self.running.len();
         if decoding > 0 {
@@ -230,7 +252,7 @@ impl Engine {
         if prefill_tokens == 0 && decoding == 0 {
             return None;
         }
-        Some(Plan { duration, prefill_tokens, decoding })
+        Some(Plan { duration, prefill_tokens, prefills, decoding })
     }
 
     /// Carries out `plan` (after its duration has passed): outputs per request, and the KV
@@ -258,35 +280,29 @@ impl Engine {
             self.stats.requests_finished += 1;
             out.push(Output::Finished { id: r.req.id });
         }
-        // Then the prefill chunk.
-        if plan.prefill_tokens > 0 {
-            if let Some(p) = self.prefilling.front_mut() {
-                p.started = true;
-                p.left = p.left.saturating_sub(plan.prefill_tokens);
-            }
-            if self.prefilling.front().is_some_and(|p| p.left == 0) {
-                if let Some(mut p) = self.prefilling.pop_front() {
-                    let hits = p.alloc.hit_blocks;
-                    let full = p.hashes.len();
-                    self.cache.commit(&mut p.alloc, &p.hashes[hits..], &p.req.prompt[hits * bs..full * bs]);
-                    let cached = (hits * bs).min(p.req.prompt.len());
-                    self.stats.prompt_tokens += p.req.prompt.len() as u64;
-                    self.stats.cached_prompt_tokens += cached as u64;
-                    let token = output_token(p.req.id, 0);
-                    out.push(Output::FirstToken { id: p.req.id, token, cached_tokens: cached });
-                    self.stats.generation_tokens += 1;
-                    let mut tokens = p.req.prompt.clone();
-                    tokens.push(token);
-                    let mut r = Running { req: p.req, alloc: p.alloc, tokens, generated: 1 };
-                    cache_filled_block(&mut self.cache, &mut r);
-                    if r.generated >= r.req.max_tokens {
-                        self.cache.release(r.alloc);
-                        self.stats.requests_finished += 1;
-                        out.push(Output::Finished { id: r.req.id });
-                    } else {
-                        self.running.push(r);
-                    }
-                }
+        // Then the prefill chunks: every one but perhaps the last completes its prompt.
+        for p in self.prefilling.iter_mut().take(plan.prefills) {
+            p.started = true;
+            p.left -= p.chunk;
+        }
+        while self.prefilling.front().is_some_and(|p| p.left == 0) {
+            let Some(p) = self.prefilling.pop_front() else { break };
+            let cached = (p.alloc.hit_blocks * bs).min(p.req.prompt.len());
+            self.stats.prompt_tokens += p.req.prompt.len() as u64;
+            self.stats.cached_prompt_tokens += cached as u64;
+            let token = output_token(p.req.id, 0);
+            out.push(Output::FirstToken { id: p.req.id, token, cached_tokens: cached });
+            self.stats.generation_tokens += 1;
+            let mut tokens = p.req.prompt.clone();
+            tokens.push(token);
+            let mut r = Running { req: p.req, alloc: p.alloc, tokens, generated: 1 };
+            cache_filled_block(&mut self.cache, &mut r);
+            if r.generated >= r.req.max_tokens {
+                self.cache.release(r.alloc);
+                self.stats.requests_finished += 1;
+                out.push(Output::Finished { id: r.req.id });
+            } else {
+                self.running.push(r);
             }
         }
         (out, self.cache.take_events())
@@ -348,23 +364,34 @@ mod tests {
     }
 
     #[test]
-    fn prefills_queue_fifo_and_decode_interleaves() {
+    fn prefills_share_a_step_up_to_the_token_budget() {
         let mut e = engine();
         e.submit(req(1, 1, 500, 3));
         e.submit(req(2, 2, 500, 1));
         let (f, out) = run(&mut e);
-        // Request 2 waits for request 1's prefill, then its own; request 1 decodes meanwhile.
-        assert_eq!(f[0], (1, Duration::from_millis(130), 0));
-        let itl1 = Duration::from_millis(12).mul_f64(1.0 + 1.0 / 64.0);
-        assert_eq!(f[1], (2, Duration::from_millis(130 + 130) + itl1, 0));
+        // One step computes both prompts: one step overhead, 1000 tokens.
+        assert_eq!(f, vec![(1, Duration::from_millis(230), 0), (2, Duration::from_millis(230), 0)]);
         let tokens_of_1 = out.iter().filter(|o| matches!(o, Output::Token { id: 1, .. })).count();
         assert_eq!(tokens_of_1, 2); // first token from the prefill, then 2 decode steps
         assert!(out.contains(&Output::Finished { id: 1 }) && out.contains(&Output::Finished { id: 2 }));
         assert!(e.is_idle());
+
+        // Past the budget, the rest waits for the next step, which also decodes.
+        let mut e = engine();
+        e.submit(req(3, 3, 6000, 2));
+        e.submit(req(4, 4, 6000, 1));
+        let p = e.plan(&mut Vec::new()).unwrap();
+        assert_eq!((p.prefills, p.prefill_tokens), (2, 8192), "request 4 gets the 2192 tokens left");
+        let (out, _) = e.complete(p);
+        assert_eq!(out.len(), 1, "request 3's first token only: {out:?}");
+        let p = e.plan(&mut Vec::new()).unwrap();
+        assert_eq!((p.prefills, p.prefill_tokens, p.decoding), (1, 3808, 1));
+        let itl1 = Duration::from_millis(12).mul_f64(1.0 + 1.0 / 64.0);
+        assert_eq!(p.duration, Duration::from_micros(200) * 3808 + itl1, "no overhead: a prefill goes on");
     }
 
     #[test]
-    fn a_request_queued_behind_the_same_prefix_finds_it_cached() {
+    fn a_request_scheduled_behind_the_same_prefix_finds_it_cached() {
         let mut e = engine();
         let mut a = req(1, 1, 1000, 1);
         let mut b = req(2, 1, 1000, 1);
@@ -373,25 +400,27 @@ mod tests {
         e.submit(a);
         e.submit(b); // arrives together with a (a burst)
         let (f, _) = run(&mut e);
-        assert_eq!((f[0].2, f[1].2), (0, 992), "the second one's prefill starts after the first's");
+        // One step: a computes 1001 tokens and caches 62 blocks as it is scheduled; b
+        // then finds 992 tokens cached and computes 9.
+        let step = Duration::from_micros(30_000 + (1001 + 9) * 200);
+        assert_eq!(f, vec![(1, step, 0), (2, step, 992)]);
     }
 
     #[test]
-    fn long_prompts_are_chunked_by_the_step_budget() {
+    fn a_chunk_caches_its_blocks_when_scheduled() {
         let mut e = Engine::new(KvCache::new(16, 2000), Timing::default());
-        e.submit(req(1, 1, 20_000, 1));
+        e.submit(req(1, 1, 10_000, 1));
         let p = e.plan(&mut Vec::new()).unwrap();
         assert_eq!(p.prefill_tokens, 8192);
-        assert_eq!(p.duration, Duration::from_millis(30) + Duration::from_micros(200) * 8192);
-        e.complete(p);
-        let p = e.plan(&mut Vec::new()).unwrap();
-        assert_eq!((p.prefill_tokens, p.duration), (8192, Duration::from_micros(200) * 8192));
-        // Larger than the whole cache: rejected, never queued forever.
-        let mut small = engine();
-        small.submit(req(2, 2, 20_000, 1));
-        let mut rejected = Vec::new();
-        assert!(small.plan(&mut rejected).is_none());
-        assert_eq!(rejected, vec![Output::Rejected { id: 2 }]);
+        assert_eq!(e.cache.cached_blocks(), 512, "the first chunk's blocks");
+        let (_, events) = e.complete(p);
+        assert!(matches!(&events[..], [KvEvent::Stored { hashes, .. }] if hashes.len() == 512));
+        // A request for the first 4096 tokens, arriving now, hits them all.
+        let mut head = req(2, 1, 4096, 1);
+        head.prompt.push(9);
+        e.submit(head);
+        let (f, _) = run(&mut e);
+        assert_eq!(f.iter().find(|x| x.0 == 2).map(|x| x.2), Some(4096));
     }
 
     #[test]
