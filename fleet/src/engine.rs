@@ -22,9 +22,9 @@ use std::collections::VecDeque;
 use std::time::Duration;
 
 /// The timing model. Defaults: a 7–8B model on one H100 (vLLM, bf16): ~30 ms fixed cost for
-/// a step that starts prefills, ~0.2 ms per uncached prompt token, ~12 ms per output token at small
-/// batch, twice that at 64 running sequences; 8192 tokens per step (vLLM's default
-/// `max_num_batched_tokens` with chunked prefill).
+/// a step that starts prefills, ~0.2 ms per uncached prompt token, ~12 ms per output token
+/// at small batch, twice that at 64 running sequences; 8192 tokens per step (vLLM's
+/// default `max_num_batched_tokens` with chunked prefill).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Timing {
     pub prefill_overhead: Duration,
