@@ -46,8 +46,11 @@ pub struct SyncIndex {
     n_buckets: u32,
     /// u64 words per holder mask; grows with the slot count.
     mask_words: usize,
+    /// Whether entries carry offloaded-only masks: from the first offloaded store until the
+    /// next snapshot, so a fleet without CPU offload pays nothing for the tier.
+    tiered: bool,
     /// Per bucket, entries `[hash, holders: mask_words × u64, offloaded-only: mask_words ×
-    /// u64]` flattened, sorted by hash.
+    /// u64 if tiered]` flattened, sorted by hash.
     buckets: Vec<Vec<u64>>,
     slots: Vec<WorkerSlot>,
     block_size: u32,
@@ -87,6 +90,7 @@ impl SyncIndex {
         SyncIndex {
             n_buckets,
             mask_words: 1,
+            tiered: false,
             buckets: vec![Vec::new(); n],
             slots: Vec::new(),
             block_size: 0,
@@ -260,6 +264,7 @@ impl SyncIndex {
         }
         self.rewrite_all = false;
         self.entries = 0;
+        self.tiered = false; // every bucket is empty: free to drop the tier masks
         self.table_dirty = true;
     }
 
@@ -301,33 +306,53 @@ impl SyncIndex {
         }
         let needed = self.slots.len().div_ceil(64).max(1);
         if needed > self.mask_words {
-            self.widen_masks(needed);
+            self.relayout(needed, self.tiered);
         }
         slot_of
     }
 
     fn stride(&self) -> usize {
-        1 + 2 * self.mask_words
+        1 + self.mask_words * (1 + usize::from(self.tiered))
     }
 
-    fn widen_masks(&mut self, words: usize) {
-        let old = self.mask_words;
+    /// Rewrites every entry for masks of `words` words, with or without the offloaded-only
+    /// masks (neither ever shrinks here: only a snapshot's reset drops the tier).
+    fn relayout(&mut self, words: usize, tiered: bool) {
+        let (old_words, old_tiered) = (self.mask_words, self.tiered);
+        if (words, tiered) == (old_words, old_tiered) {
+            return;
+        }
+        let old_stride = self.stride();
+        (self.mask_words, self.tiered) = (words, tiered);
+        let stride = self.stride();
         for b in 0..self.buckets.len() {
             if self.buckets[b].is_empty() {
                 continue;
             }
-            let mut wide = Vec::with_capacity(self.buckets[b].len() / (1 + 2 * old) * (1 + 2 * words));
-            for e in self.buckets[b].chunks_exact(1 + 2 * old) {
+            let mut wide = Vec::with_capacity(self.buckets[b].len() / old_stride * stride);
+            for e in self.buckets[b].chunks_exact(old_stride) {
                 wide.push(e[0]);
-                for mask in [&e[1..1 + old], &e[1 + old..]] {
-                    wide.extend_from_slice(mask);
-                    wide.extend(std::iter::repeat_n(0, words - old));
+                wide.extend_from_slice(&e[1..1 + old_words]);
+                wide.extend(std::iter::repeat_n(0, words - old_words));
+                if tiered {
+                    if old_tiered {
+                        wide.extend_from_slice(&e[1 + old_words..]);
+                        wide.extend(std::iter::repeat_n(0, words - old_words));
+                    } else {
+                        wide.extend(std::iter::repeat_n(0, words));
+                    }
                 }
             }
             self.buckets[b] = wide;
             self.mark(b as u32);
         }
-        self.mask_words = words;
+    }
+
+    /// Makes the entries able to record `hold` (an offloaded one needs the tier masks).
+    fn make_room_for(&mut self, hold: Hold) {
+        if hold == Hold::Offloaded {
+            self.relayout(self.mask_words, true);
+        }
     }
 
     fn mark(&mut self, b: u32) {
@@ -341,6 +366,7 @@ impl SyncIndex {
     /// their count.
     fn stage(&mut self, blocks: &[crate::feed::FeedBlock], slot: usize, hold: Hold) -> u64 {
         let slot = slot as u16; // < MAX_SLOTS
+        self.make_room_for(hold);
         for blk in blocks {
             let b = bucket_of(blk.anchor, self.n_buckets);
             self.staged[b as usize].push(Staged { hash: blk.hash, slot, hold });
@@ -384,6 +410,7 @@ impl SyncIndex {
         let mut new: Vec<(u32, u64)> = blocks.iter().map(|b| (bucket_of(b.anchor, self.n_buckets), b.hash)).collect();
         new.sort_unstable();
         new.dedup();
+        self.make_room_for(hold);
         let (mw, stride) = (self.mask_words, self.stride());
         let mut changed = 0u64;
         let mut i = 0;
@@ -417,6 +444,7 @@ impl SyncIndex {
     fn set_hold(&mut self, hash: u64, anchor: u64, slot: usize, hold: Hold) -> bool {
         let b = bucket_of(anchor, self.n_buckets);
         self.merge_staged(b);
+        self.make_room_for(hold);
         let (mw, stride) = (self.mask_words, self.stride());
         let entries = &mut self.buckets[b as usize];
         let n = entries.len() / stride;
@@ -471,7 +499,9 @@ impl SyncIndex {
                 if e[1 + word] & bit != 0 {
                     touched = true;
                     e[1 + word] &= !bit;
-                    e[1 + mw + word] &= !bit;
+                    if let Some(off) = e.get_mut(1 + mw + word) {
+                        *off &= !bit;
+                    }
                 }
                 if e[1..1 + mw].iter().any(|w| *w != 0) {
                     kept.extend_from_slice(&e);
@@ -554,7 +584,7 @@ impl SyncIndex {
         debug_assert!(self.staged[b as usize].is_empty(), "bucket {b} read before its staged stores are merged");
         let (mw, stride) = (self.mask_words, self.stride());
         let entries = &self.buckets[b as usize];
-        let tiered = entries.chunks_exact(stride).any(|e| e[1 + mw..].iter().any(|w| *w != 0));
+        let tiered = self.tiered && entries.chunks_exact(stride).any(|e| e[1 + mw..].iter().any(|w| *w != 0));
         let keep = if tiered { stride } else { 1 + mw };
         let raw = entries.chunks_exact(stride).flat_map(|e| &e[..keep]).flat_map(|w| w.to_le_bytes()).collect();
         (mw, tiered, entries.len() / stride, raw)
@@ -590,24 +620,31 @@ enum Hold {
 }
 
 /// Sets how `slot` holds the block of `entry` (`[hash, holders, offloaded-only]`, masks of
-/// `mw` words); true when that changed anything.
+/// `mw` words; the offloaded-only mask absent when the index is not tiered, where no hold
+/// is `Offloaded`); true when that changed anything.
 fn set_hold_bits(entry: &mut [u64], mw: usize, slot: usize, hold: Hold) -> bool {
     let (word, bit) = (slot / 64, 1u64 << (slot % 64));
     let (held, off) = (1 + word, 1 + mw + word);
-    let before = (entry[held] & bit, entry[off] & bit);
+    let tiered = entry.len() > 1 + mw;
+    debug_assert!(tiered || hold != Hold::Offloaded, "an offloaded hold in an untiered index");
+    let get = |entry: &[u64]| (entry[held] & bit, if tiered { entry[off] & bit } else { 0 });
+    let before = get(entry);
     let (holds, offloaded) = match hold {
         Hold::Gpu => (true, false),
         Hold::Offloaded => (true, true),
         Hold::None => (false, false),
     };
     for (i, set) in [(held, holds), (off, offloaded)] {
+        if i == off && !tiered {
+            continue;
+        }
         if set {
             entry[i] |= bit;
         } else {
             entry[i] &= !bit;
         }
     }
-    before != (entry[held] & bit, entry[off] & bit)
+    before != get(entry)
 }
 
 /// One step of merging into a bucket's sorted entries: copies `old`'s entries below `hash`
@@ -909,6 +946,48 @@ mod tests {
         ix.apply(&frame(FrameKind::Delta, 1, 2, ws.clone(), vec![Op::Store { worker: 69, blocks: vec![blk(5)] }]))
             .unwrap();
         assert_eq!(holders(&mut ix, 5, 1000), vec![1, 69]);
+    }
+
+    #[test]
+    fn tier_masks_come_with_the_first_offloaded_block_and_go_with_a_snapshot() {
+        let mut ix = SyncIndex::new(16);
+        let ws: Vec<_> = (0..70).map(|i| worker(&format!("w:{i}"))).collect();
+        let snapshot = frame(
+            FrameKind::SnapshotStart,
+            0,
+            1,
+            ws[..2].to_vec(),
+            vec![Op::Store { worker: 1, blocks: vec![blk(5), blk(6)] }],
+        );
+        ix.apply(&snapshot).unwrap();
+        ix.merge_all();
+        assert_eq!((ix.tiered, ix.stride()), (false, 2), "hash and one holder word: 16 B an entry");
+        // An offloaded copy: the tier masks appear, the GPU holders stay.
+        ix.apply(&frame(
+            FrameKind::Delta,
+            1,
+            2,
+            ws[..2].to_vec(),
+            vec![Op::StoreOffloaded { worker: 0, blocks: vec![blk(5)] }],
+        ))
+        .unwrap();
+        assert_eq!((ix.tiered, ix.stride()), (true, 3));
+        assert_eq!((holders(&mut ix, 5, 1000), offloaded(&mut ix, 5, 1000)), (vec![0, 1], vec![0]));
+        assert_eq!(holders(&mut ix, 6, 1000), vec![1]);
+        // Wider masks keep both.
+        ix.apply(&frame(FrameKind::Delta, 2, 3, ws.clone(), vec![Op::Store { worker: 69, blocks: vec![blk(5)] }]))
+            .unwrap();
+        assert_eq!(ix.stride(), 5);
+        assert_eq!((holders(&mut ix, 5, 1000), offloaded(&mut ix, 5, 1000)), (vec![0, 1, 69], vec![0]));
+        // A worker's Clear drops its offloaded bit with its holder bit.
+        ix.apply(&frame(FrameKind::Delta, 3, 4, ws.clone(), vec![Op::Clear { worker: 0 }])).unwrap();
+        assert_eq!((holders(&mut ix, 5, 1000), offloaded(&mut ix, 5, 1000)), (vec![1, 69], vec![]));
+        // A snapshot without offloaded blocks drops the masks again.
+        ix.apply(&frame(FrameKind::SnapshotStart, 1, 1, ws, vec![Op::Store { worker: 1, blocks: vec![blk(5)] }]))
+            .unwrap();
+        ix.merge_all();
+        assert_eq!((ix.tiered, ix.stride()), (false, 3));
+        assert_eq!(holders(&mut ix, 5, 1000), vec![1]);
     }
 
     #[test]
