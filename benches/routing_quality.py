@@ -37,6 +37,8 @@ from harness import (FLEET, Envoy, Processes, free_port, render_config, reset_fl
                      start_fleet, wait_synced)
 
 TRACE = ROOT.parent / "shared" / "data" / "mooncake" / "conversation_trace.jsonl"
+TRACE_SOURCE = ("the Mooncake FAST'25 conversation trace: kvcache-ai/Mooncake, "
+                "FAST25-release/traces/conversation_trace.jsonl")
 # The mock engines' timing model (defaults, fleet/src/engine.rs): ms to start a prefill,
 # ms per uncached token; ms per decode step, and the batch size at which that doubles.
 PREFILL_OVERHEAD_MS, PREFILL_MS_PER_TOKEN = 30.0, 0.2
@@ -108,24 +110,40 @@ def workloads(args):
     out.append(("chat_70", 0.7, ["--workload", "chat", "--conversations", str(args.groups * 2), "--turns", str(turns),
                                  "--system-prompt-len", str(first), "--question-len", "64", "--output-len", "16",
                                  "--rate", f"{chat_cap * 0.7 / turns:.3f}"], {}))
-    # Mooncake: the first N requests, lengths ÷ 8; time-scaled to ~70% of capacity.
-    n, ls = args.trace_requests, 8.0
-    lines = [json.loads(x) for x in TRACE.read_text().splitlines()[:n]]
-    mean_len = sum(x["input_length"] for x in lines) / len(lines) / ls
-    span_s = (lines[-1]["timestamp"] - lines[0]["timestamp"]) / 1000.0
-    ts = 0.7 * prefill_capacity(args.workers, mean_len) * span_s / len(lines)
-    # Conversations come back minutes later: the engines get a realistic cache (8192 blocks,
-    # 128k tokens) for this one, or every policy only sees evictions.
-    out.append(("mooncake_70", 0.7, ["--workload", "mooncake", "--trace", str(TRACE), "--requests", str(n),
-                                     "--length-scale", f"{ls:g}", "--time-scale", f"{ts:.3f}", "--output-len", "32"],
-                {"blocks": 8192}))
+    out.append(("mooncake_70", 0.7, None, {"blocks": 8192}))
     if args.quick:
         out = [w for w in out if w[0] in ("shared_prefix_70", "zipf_70")]
     if args.workloads:
-        out = [w for w in out if w[0] in args.workloads.split(",")]
+        wanted = args.workloads.split(",")
+        unknown = set(wanted) - {w[0] for w in out}
+        if unknown:
+            sys.exit(f"unknown workloads: {', '.join(sorted(unknown))}")
+        out = [w for w in out if w[0] in wanted]
+    if any(w[0] == "mooncake_70" for w in out):
+        trace = pathlib.Path(args.trace)
+        if trace.exists():
+            out = [(*w[:2], mooncake_args(args, trace), w[3]) if w[0] == "mooncake_70" else w for w in out]
+        elif args.workloads:
+            sys.exit(f"mooncake_70: no trace at {trace} (--trace; {TRACE_SOURCE})")
+        else:
+            print(f"mooncake_70 skipped: no trace at {trace} (--trace; {TRACE_SOURCE})", flush=True)
+            out = [w for w in out if w[0] != "mooncake_70"]
     # A workload may ask for another cache size or speed-up; the rest get the defaults.
     fleets = [{"blocks": args.blocks, "speedup": args.speedup, **f} for *_, f in out]
     return [(name, level, wall_clock(a, f["speedup"]), f) for (name, level, a, _), f in zip(out, fleets)]
+
+
+def mooncake_args(args, trace):
+    """The first N requests of the Mooncake trace, lengths ÷ 8, time-scaled to ~70% of the
+    fleet's capacity. Conversations come back minutes later, so this workload's engines get
+    a realistic cache (8192 blocks, 128k tokens), or every policy would only see evictions."""
+    n, ls = args.trace_requests, 8.0
+    lines = [json.loads(x) for x in trace.read_text().splitlines()[:n]]
+    mean_len = sum(x["input_length"] for x in lines) / len(lines) / ls
+    span_s = (lines[-1]["timestamp"] - lines[0]["timestamp"]) / 1000.0
+    ts = 0.7 * prefill_capacity(args.workers, mean_len) * span_s / len(lines)
+    return ["--workload", "mooncake", "--trace", str(trace), "--requests", str(n),
+            "--length-scale", f"{ls:g}", "--time-scale", f"{ts:.3f}", "--output-len", "32"]
 
 
 def wall_clock(load_args, speedup):
@@ -147,6 +165,7 @@ def main():
     ap.add_argument("--speedup", type=float, default=5.0)
     ap.add_argument("--tuned-weight", type=float, default=4.0)
     ap.add_argument("--prefix-hash-blocks", type=int, default=8)
+    ap.add_argument("--trace", default=str(TRACE), help="the Mooncake conversation trace (JSONL)")
     ap.add_argument("--trace-requests", type=int, default=2000)
     ap.add_argument("--quick", action="store_true", help="two workloads only")
     ap.add_argument("--workloads", help="comma-separated workload names to run (results merge into results.json)")
