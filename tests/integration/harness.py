@@ -1,5 +1,6 @@
 """Real processes for the integration tests: Envoy with the built kvroute.wasm, and HTTP
 upstream workers on loopback that record what reached them."""
+import contextlib
 import http.client
 import http.server
 import json
@@ -431,20 +432,20 @@ def end_children(grace=10):
                 children.append(int(p.name))
         except (OSError, ValueError, IndexError):
             continue  # gone meanwhile
+    for pid in children:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
     deadline = time.time() + grace
     for pid in children:
         try:
-            os.kill(pid, signal.SIGTERM)
             while os.waitpid(pid, os.WNOHANG) == (0, 0):
                 if time.time() > deadline:
                     os.kill(pid, signal.SIGKILL)
                     os.waitpid(pid, 0)
                     break
                 time.sleep(0.02)
-        except ChildProcessError:
+        except (ChildProcessError, ProcessLookupError):
             pass  # already reaped
-        except ProcessLookupError:
-            pass
 
 
 def start_fleet(procs, n, blocks, speedup):
