@@ -142,6 +142,11 @@ def render_config(workers, feed_port, filter_config=None, sync_config=None,
             eps["lb_endpoints"] = [
                 {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": w.port}}}}
                 for w in workers]
+            if policy == "ring_hash":
+                # Ring places hosts by their address unless they name a hash key; ports
+                # change every run, so the n-th worker is "worker-n": one layout, every run.
+                for i, ep in enumerate(eps["lb_endpoints"]):
+                    ep["metadata"] = {"filter_metadata": {"envoy.lb": {"hash_key": f"worker-{i}"}}}
         elif c["name"] == "kvroute_sidecar":
             eps["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]["port_value"] = feed_port
     return cfg, listener_port, admin_port

@@ -28,3 +28,28 @@ def test_routing_quality_runs_every_policy(tmp_path):
     assert "| kvroute_w4 |" in r.stdout  # the Markdown table
     for f in ("ttft-burst_70.svg", "hit-rate-vs-load.svg"):
         assert (tmp_path / f).read_text().startswith("<svg")
+
+
+def test_the_prefix_hash_ring_is_the_same_every_run():
+    """The prefix-hash baseline places workers on Envoy's ring by index, not by their
+    (random) ports: the same header value reaches the same worker index in every run."""
+    from harness import PREFIX_HASH_HEADER, Envoy, Worker, free_port, render_config
+
+    def layout():
+        workers = [Worker() for _ in range(4)]
+        cfg, lp, ap = render_config(workers, free_port(), policy="ring_hash")
+        envoy = Envoy(cfg, lp, ap, concurrency=1)
+        try:
+            for key in range(40):
+                status, _, _ = envoy.request(headers={PREFIX_HASH_HEADER: f"{key:016x}"})
+                assert status == 200
+            return [next(i for i, w in enumerate(workers) if any(
+                r.get(PREFIX_HASH_HEADER) == f"{key:016x}" for r in w.requests)) for key in range(40)]
+        finally:
+            envoy.stop()
+            for w in workers:
+                w.stop()
+
+    first = layout()
+    assert len(set(first)) > 1, "40 keys should spread over more than one worker"
+    assert layout() == first
