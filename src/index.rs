@@ -332,15 +332,11 @@ impl SyncIndex {
             let mut wide = Vec::with_capacity(self.buckets[b].len() / old_stride * stride);
             for e in self.buckets[b].chunks_exact(old_stride) {
                 wide.push(e[0]);
-                wide.extend_from_slice(&e[1..1 + old_words]);
-                wide.extend(std::iter::repeat_n(0, words - old_words));
-                if tiered {
-                    if old_tiered {
-                        wide.extend_from_slice(&e[1 + old_words..]);
-                        wide.extend(std::iter::repeat_n(0, words - old_words));
-                    } else {
-                        wide.extend(std::iter::repeat_n(0, words));
-                    }
+                // Each mask padded to `words` (an untiered entry's offloaded mask is empty).
+                let (held, offloaded) = e[1..].split_at(old_words);
+                for mask in [held, offloaded].iter().take(1 + usize::from(tiered)) {
+                    wide.extend_from_slice(mask);
+                    wide.extend(std::iter::repeat_n(0, words - mask.len()));
                 }
             }
             self.buckets[b] = wide;
@@ -482,8 +478,7 @@ impl SyncIndex {
 
     fn clear_slot(&mut self, slot: usize) {
         let (mw, stride) = (self.mask_words, self.stride());
-        let (word, bit) = (slot / 64, 1u64 << (slot % 64));
-        if word >= mw {
+        if slot / 64 >= mw {
             return;
         }
         for b in 0..self.buckets.len() {
@@ -496,13 +491,7 @@ impl SyncIndex {
             let mut kept = Vec::with_capacity(entries.len());
             for e in entries.chunks_exact(stride) {
                 let mut e = e.to_vec();
-                if e[1 + word] & bit != 0 {
-                    touched = true;
-                    e[1 + word] &= !bit;
-                    if let Some(off) = e.get_mut(1 + mw + word) {
-                        *off &= !bit;
-                    }
-                }
+                touched |= set_hold_bits(&mut e, mw, slot, Hold::None);
                 if e[1..1 + mw].iter().any(|w| *w != 0) {
                     kept.extend_from_slice(&e);
                 } else {
@@ -629,20 +618,10 @@ fn set_hold_bits(entry: &mut [u64], mw: usize, slot: usize, hold: Hold) -> bool 
     debug_assert!(tiered || hold != Hold::Offloaded, "an offloaded hold in an untiered index");
     let get = |entry: &[u64]| (entry[held] & bit, if tiered { entry[off] & bit } else { 0 });
     let before = get(entry);
-    let (holds, offloaded) = match hold {
-        Hold::Gpu => (true, false),
-        Hold::Offloaded => (true, true),
-        Hold::None => (false, false),
-    };
-    for (i, set) in [(held, holds), (off, offloaded)] {
-        if i == off && !tiered {
-            continue;
-        }
-        if set {
-            entry[i] |= bit;
-        } else {
-            entry[i] &= !bit;
-        }
+    let set = |w: &mut u64, on: bool| if on { *w |= bit } else { *w &= !bit };
+    set(&mut entry[held], hold != Hold::None);
+    if tiered {
+        set(&mut entry[off], hold == Hold::Offloaded);
     }
     before != get(entry)
 }
