@@ -84,8 +84,6 @@ struct Prefill {
     hashes: Vec<u64>,
     /// Uncached prompt tokens still to compute.
     left: usize,
-    /// Prompt tokens computed or cached once the scheduled chunks are done.
-    computed: usize,
     /// Tokens of the step being run (`plan` sets it, `complete` applies it).
     chunk: usize,
     started: bool,
@@ -209,8 +207,7 @@ impl Engine {
             let cached = (alloc.hit_blocks * bs).min(req.prompt.len());
             // vLLM recomputes at least the last prompt token to produce the first output.
             let left = (req.prompt.len() - cached).max(1);
-            let computed = req.prompt.len() - left;
-            self.prefilling.push_back(Prefill { req, alloc, hashes, left, computed, chunk: 0, started: false });
+            self.prefilling.push_back(Prefill { req, alloc, hashes, left, chunk: 0, started: false });
             return true;
         }
     }
@@ -229,10 +226,10 @@ impl Engine {
             let bs = self.cache.block_size();
             let Some(p) = self.prefilling.get_mut(prefills) else { break };
             p.chunk = p.left.min(budget);
-            p.computed += p.chunk;
             starts |= !p.started;
             // The chunk's full blocks are cached as it is scheduled.
-            let full = (p.computed / bs).min(p.hashes.len());
+            let computed = p.req.prompt.len() - (p.left - p.chunk); // cached or computed by then
+            let full = (computed / bs).min(p.hashes.len());
             let from = p.alloc.chain.len();
             if full > from {
                 self.cache.commit(&mut p.alloc, &p.hashes[from..full], &p.req.prompt[from * bs..full * bs]);
