@@ -139,8 +139,9 @@ fn main() {
     println!("|---:|---:|---:|---:|---:|---:|---:|");
     for &workers in &fleet_sizes {
         for &entries in &index_sizes {
-            // An index entry holds two masks of ceil(workers/64) words: skip points that
-            // would not fit this machine's memory twice over (index + shared data).
+            // About the most an entry can take: in the index a hash and up to two masks of
+            // ceil(workers/64) words (the offloaded one only once some worker offloads), in
+            // shared data one more mask. Skip points that would not fit this machine's memory.
             let est = entries as f64 * 8.0 * (1.0 + 3.0 * workers.div_ceil(64) as f64);
             if entries > max || est > 6e9 {
                 continue;
