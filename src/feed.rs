@@ -5,6 +5,7 @@
 //! truncated or hostile frame is an error, never a panic or a huge allocation.
 
 use crate::layout::{LayoutError, Reader, Role};
+use crate::wire::capacity_for;
 use std::fmt;
 
 pub const MAGIC: &[u8; 4] = b"KVRF";
@@ -203,7 +204,7 @@ impl Frame {
         if n_workers > MAX_WORKERS || n_workers > r.remaining() / 3 {
             return Err(FrameError(format!("worker count {n_workers} exceeds the frame")));
         }
-        let mut workers = Vec::with_capacity(n_workers);
+        let mut workers = Vec::with_capacity(capacity_for::<FeedWorker>(n_workers, r.remaining(), 3));
         for _ in 0..n_workers {
             let len = usize::from(r.u8("worker id length")?);
             let id = std::str::from_utf8(r.take(len, "worker id")?)
@@ -225,7 +226,7 @@ impl Frame {
         if n_ops > r.remaining() / 5 {
             return Err(FrameError(format!("op count {n_ops} exceeds the frame")));
         }
-        let mut ops = Vec::with_capacity(n_ops);
+        let mut ops = Vec::with_capacity(capacity_for::<Op>(n_ops, r.remaining(), 5));
         for _ in 0..n_ops {
             let code = r.u8("op code")?;
             let worker = r.u32("op worker")?;
@@ -238,7 +239,7 @@ impl Frame {
                     if n > r.remaining() / BLOCK_LEN {
                         return Err(FrameError(format!("block count {n} exceeds the frame")));
                     }
-                    let mut blocks = Vec::with_capacity(n);
+                    let mut blocks = Vec::with_capacity(capacity_for::<FeedBlock>(n, r.remaining(), BLOCK_LEN));
                     for _ in 0..n {
                         blocks.push(FeedBlock { hash: r.u64("block hash")?, anchor: r.u64("block anchor")? });
                     }

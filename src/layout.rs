@@ -238,7 +238,7 @@ impl WorkerTable {
         if n > MAX_SLOTS {
             return Err(LayoutError("too many slots"));
         }
-        let mut slots = Vec::with_capacity(n);
+        let mut slots = Vec::with_capacity(crate::wire::capacity_for::<WorkerSlot>(n, r.remaining(), 3));
         for _ in 0..n {
             let state = SlotState::from_u8(r.u8("slot state")?).ok_or(LayoutError("slot state"))?;
             let role = Role::from_u8(r.u8("slot role")?).ok_or(LayoutError("slot role"))?;

@@ -14,6 +14,7 @@
 //! - [`feed`]: the sidecar → sync service frame format
 //! - [`index`]: the sync service's model of the fleet
 //! - [`config`]: plugin configuration, validated
+//! - [`wire`]: what the wire decoders share (bounded reservations)
 //!
 //! `wasm` (only on `wasm32` with the `filter` feature) is the proxy-wasm glue: the HTTP
 //! filter (`root_id` `kvroute`) and the sync service (`root_id` `kvroute-sync`).
@@ -33,6 +34,7 @@ pub mod scan;
 pub mod score;
 pub mod slots;
 pub mod tokens;
+pub mod wire;
 
 #[cfg(all(target_arch = "wasm32", feature = "filter"))]
 mod wasm;
