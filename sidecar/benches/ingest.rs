@@ -1,7 +1,10 @@
 //! Ingest benchmark: KV-event payloads (encoded by msgspec, as vLLM/SGLang send them)
 //! decoded and applied to the fleet index on one core; then memory per cached block.
 //!
-//!     cargo bench -p kvroute-sidecar --bench ingest [-- vllm|vllm-array|sglang]
+//!     cargo bench -p kvroute-sidecar --bench ingest [-- vllm-0.33|vllm-0.22|sglang-0.5.22|…]
+//!
+//! (any form of `tests/integration/kvevents.py`). Decode + index goes through
+//! `Fleet::apply_payload`, the ingest thread's path: events applied as they decode.
 //!
 //! The payload file is made once by `sidecar/benches/make_events.py` (1M blocks, 16
 //! workers) and kept under `target/`.
@@ -50,7 +53,7 @@ fn fleet() -> Fleet {
 }
 
 fn main() {
-    let form = std::env::args().skip(1).find(|a| !a.starts_with('-')).unwrap_or_else(|| "vllm".into());
+    let form = std::env::args().skip(1).find(|a| !a.starts_with('-')).unwrap_or_else(|| "vllm-0.33".into());
     let payloads = payloads(&form);
     let payload_bytes: usize = payloads.iter().map(|p| p.1.len()).sum();
 
@@ -78,8 +81,7 @@ fn main() {
         let now = Instant::now();
         let t = Instant::now();
         for (seq, (w, p)) in payloads.iter().enumerate() {
-            let b = decode_batch(p).expect("decodes");
-            f.apply_batch(*w, 0, seq as u64, &b, now, 0.0);
+            f.apply_payload(*w, 0, seq as u64, p, now, 0.0).expect("decodes");
         }
         best = best.min(t.elapsed().as_secs_f64());
         last = Some(f);

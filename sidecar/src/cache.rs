@@ -9,11 +9,37 @@
 //! - per data-parallel rank, `engine hash → router hash(es)` (for parents and removals), and
 //! - `router hash → (anchor, position, holders)`: what the feed publishes.
 //!
-//! A block can be held several times over: by several DP ranks, in several KV-cache groups
-//! (hybrid models), in GPU memory and in an offload tier. The worker holds it while any copy
-//! exists; storing a held copy again changes nothing.
+//! A block can be held several times over: by several DP ranks, in several full-attention
+//! KV-cache groups, in GPU memory and in offload tiers. The worker holds it while any copy
+//! exists. Storing a held GPU copy again changes nothing (vLLM re-announces reused blocks in
+//! its `full` report mode, with no removal to match). Offload-tier copies are counted: vLLM's
+//! offloading connector announces a block once per chunk and medium that holds it, and
+//! removes it as often, and asks consumers to count.
+//!
+//! ## What `cache_hits` means for groups that are not full attention
+//!
+//! vLLM's own rule (`HybridKVCacheCoordinator.find_longest_cache_hit`, 0.33) is the
+//! reference: a request hits the longest block-aligned prefix of length L such that every
+//! full-attention group holds all blocks before L, every sliding-window group holds the
+//! `ceil((window − 1) / block_size)` blocks just before L, and every Mamba group holds the
+//! state block ending at L; the groups are checked in turn until L no longer shrinks.
+//!
+//! Only the first condition is a property of each block on its own, so only full-attention
+//! groups are indexed: a block counts while a full-attention group holds it, and blocks of
+//! sliding-window, chunked-local, Mamba, encoder and cross-attention groups, and of kinds this
+//! sidecar does not know, are skipped ([`Outcome::NotFullAttention`]). `cache_hits(w)`, the
+//! leading run of held blocks, is then exactly vLLM's hit for models with full attention
+//! only, and an upper bound for hybrid models: equal when the other groups hold their state
+//! at the end of the shared prefix (a repeated or continued prompt), larger when the
+//! request leaves a cached prompt where they hold none. A group's kind comes with its
+//! stores (vLLM ≥ 0.22); before that every group counts as full attention.
+//!
+//! Hashing beyond the block (vLLM's `lookahead_token_ids`, SGLang's EAGLE bigram pages) makes
+//! an engine block a hit only if the next few tokens match too; the router hashes a block's
+//! own tokens, so it may count one block more than the engine uses where a request diverges
+//! within those tokens.
 
-use crate::events::{BlockRemoved, BlockStored, ExtraKeys, Medium};
+use crate::events::{BlockRemoved, BlockStored, ExtraKeys, GroupKind, Medium};
 use crate::table::HashTable;
 use kvroute::feed::FeedBlock;
 use kvroute::hash::{chain_hash, local_hash, namespace, root_parent, BASE_NAMESPACE};
@@ -50,16 +76,23 @@ pub enum Outcome {
     Unroutable,
     /// A removal of a block this index does not hold (its store was skipped or missed).
     NotHeld,
+    /// A block of a KV-cache group that is not full attention: not indexed (module docs).
+    NotFullAttention,
+    /// An offload placeholder (no tokens) for an engine block this index never saw stored
+    /// with its tokens, so its router hash is unknown.
+    UnknownBlock,
 }
 
 impl Outcome {
-    pub const ALL: [Outcome; 6] = [
+    pub const ALL: [Outcome; 8] = [
         Outcome::Applied,
         Outcome::UnknownParent,
         Outcome::BlockSizeMismatch,
         Outcome::Malformed,
         Outcome::Unroutable,
         Outcome::NotHeld,
+        Outcome::NotFullAttention,
+        Outcome::UnknownBlock,
     ];
 
     pub fn label(self) -> &'static str {
@@ -70,6 +103,8 @@ impl Outcome {
             Outcome::Malformed => "malformed",
             Outcome::Unroutable => "unroutable",
             Outcome::NotHeld => "not_held",
+            Outcome::NotFullAttention => "not_full_attention",
+            Outcome::UnknownBlock => "unknown_block",
         }
     }
 }
@@ -136,10 +171,93 @@ struct RouterBlock {
     gpu_holders: u16,
 }
 
+/// What one DP rank of the worker holds.
+#[derive(Debug, Default)]
+struct Rank {
+    /// Engine hash (and part keys of split engine blocks) → router block.
+    engine: HashTable<EngineBlock>,
+    /// Offload-tier copies announced again while held: how many more removals they take,
+    /// per [`extra_key`] (engine block, copy bit). Empty unless the engine re-announces.
+    extra_offloaded: HashTable<u32>,
+    /// Bit `g`: KV-cache group `g` is known, from its stores, not to be full attention.
+    not_full: u32,
+}
+
+impl Rank {
+    fn learn_kind(&mut self, group: u32, kind: GroupKind) {
+        if kind == GroupKind::Full {
+            self.not_full &= !(1 << group);
+        } else {
+            self.not_full |= 1 << group;
+        }
+    }
+
+    fn is_full(&self, group: u32) -> bool {
+        self.not_full & (1 << group) == 0
+    }
+
+    /// One more copy (`bit`) of the held engine block `h` (main entry `e`).
+    fn add_copy(
+        &mut self,
+        blocks: &mut HashTable<RouterBlock>,
+        h: u64,
+        e: EngineBlock,
+        bit: u32,
+        out: &mut Vec<Change>,
+    ) {
+        if e.copies & bit != 0 {
+            if bit & GPU_BITS == 0 {
+                *self.extra_offloaded.get_or_insert_with(extra_key(h, bit), || 0) += 1;
+            }
+            return;
+        }
+        set_copies(&mut self.engine, h, e, e.copies | bit);
+        if bit & GPU_BITS != 0 && e.copies & GPU_BITS == 0 {
+            for r in routers_of(&self.engine, h, e) {
+                gpu_gained(blocks, r, out);
+            }
+        }
+    }
+
+    /// Takes one announcement of an offload copy that was announced more than once; false
+    /// if this is its last.
+    fn take_extra(&mut self, h: u64, bit: u32) -> bool {
+        if bit & GPU_BITS != 0 || self.extra_offloaded.is_empty() {
+            return false;
+        }
+        let key = extra_key(h, bit);
+        match self.extra_offloaded.get_mut(&key) {
+            Some(n) if *n > 1 => *n -= 1,
+            Some(_) => {
+                self.extra_offloaded.remove(&key);
+            }
+            None => return false,
+        }
+        true
+    }
+
+    /// Forgets the extra announcements of every copy in `copies` of engine block `h`.
+    fn forget_extras(&mut self, h: u64, copies: u32) {
+        if self.extra_offloaded.is_empty() {
+            return;
+        }
+        for b in 0..2 * MAX_GROUPS {
+            if copies & !GPU_BITS & (1 << b) != 0 {
+                self.extra_offloaded.remove(&extra_key(h, 1 << b));
+            }
+        }
+    }
+}
+
+/// Where the extra announcements of copy `bit` of engine block `h` are counted.
+fn extra_key(h: u64, bit: u32) -> u64 {
+    h ^ 0xD6E8_FEB8_6659_FD93u64.wrapping_mul(u64::from(bit.trailing_zeros()) + 1)
+}
+
 #[derive(Debug, Default)]
 pub struct WorkerCache {
     /// Per DP rank.
-    ranks: Vec<HashTable<EngineBlock>>,
+    ranks: Vec<Rank>,
     blocks: HashTable<RouterBlock>,
     /// Scratch for `apply_stored`: one router block's token bytes, one engine block's
     /// router blocks (hash, anchor, position).
@@ -155,7 +273,7 @@ const GPU_BITS: u32 = 0x5555_5555;
 
 impl WorkerCache {
     pub fn new(dp_ranks: usize) -> Self {
-        WorkerCache { ranks: (0..dp_ranks.max(1)).map(|_| HashTable::default()).collect(), ..WorkerCache::default() }
+        WorkerCache { ranks: (0..dp_ranks.max(1)).map(|_| Rank::default()).collect(), ..WorkerCache::default() }
     }
 
     /// Distinct blocks the worker holds (any tier).
@@ -180,9 +298,27 @@ impl WorkerCache {
         router_block_size: u32,
         out: &mut Vec<Change>,
     ) -> Outcome {
+        if ev.group_idx >= MAX_GROUPS {
+            return Outcome::Malformed;
+        }
+        let Some(r) = self.ranks.get_mut(rank) else {
+            return Outcome::Malformed;
+        };
+        if let Some(kind) = ev.group_kind {
+            r.learn_kind(ev.group_idx, kind);
+        }
+        // Before the size checks: a sliding-window group's store skips the blocks that fell
+        // out of its window but still carries all their tokens.
+        if !r.is_full(ev.group_idx) {
+            return Outcome::NotFullAttention;
+        }
+        let bit = copy_bit(ev.group_idx, ev.medium);
+        if ev.is_placeholder() {
+            return store_placeholder(r, &mut self.blocks, ev, bit, out);
+        }
         let engine_bs = ev.block_size as usize;
         let rbs = router_block_size as usize;
-        if engine_bs == 0 || ev.group_idx >= MAX_GROUPS || ev.token_ids.len() != ev.block_hashes.len() * engine_bs {
+        if engine_bs == 0 || ev.token_ids.len() != ev.block_hashes.len() * engine_bs {
             return Outcome::Malformed;
         }
         if rbs == 0 || !engine_bs.is_multiple_of(rbs) {
@@ -192,13 +328,10 @@ impl WorkerCache {
             Ok(ns) => ns,
             Err(outcome) => return outcome,
         };
-        let Some(engine) = self.ranks.get_mut(rank) else {
-            return Outcome::Malformed;
-        };
         let (mut parent_hash, mut parent_pos) = match ev.parent {
             None => (None, None),
             Some(p) => {
-                let Some(router) = main_entry(engine, p).map(|e| e.router) else {
+                let Some(router) = main_entry(&r.engine, p).map(|e| e.router) else {
                     return Outcome::UnknownParent;
                 };
                 let Some(rb) = self.blocks.get(&router) else {
@@ -207,7 +340,6 @@ impl WorkerCache {
                 (Some((router, rb.anchor)), Some(rb.pos))
             }
         };
-        let bit = copy_bit(ev.group_idx, ev.medium);
         let (block_le, routers) = (&mut self.block_le, &mut self.routers);
         for (i, &engine_hash) in ev.block_hashes.iter().enumerate() {
             let tokens = &ev.token_ids[i * engine_bs..(i + 1) * engine_bs];
@@ -232,24 +364,17 @@ impl WorkerCache {
             }
             let span = routers.len() as u32;
             let gpu = bit & GPU_BITS != 0;
-            match main_entry(engine, engine_hash) {
+            match main_entry(&r.engine, engine_hash) {
                 // The chain hash of the last part names all of them.
                 Some(e) if e.router == routers[routers.len() - 1].0 && e.span == span => {
-                    if e.copies & bit != 0 {
-                        continue; // the same copy again: nothing changes
-                    }
-                    set_copies(engine, engine_hash, e, e.copies | bit);
-                    if gpu && e.copies & GPU_BITS == 0 {
-                        for (h, _, _) in routers.iter() {
-                            gpu_gained(&mut self.blocks, *h, out);
-                        }
-                    }
+                    r.add_copy(&mut self.blocks, engine_hash, e, bit, out);
                     continue;
                 }
                 Some(e) => {
                     // Same engine hash, other tokens or parent: the engine reused the hash
                     // (it restarted, or hashes collided). The new content replaces the old.
-                    let old = remove_engine_block(engine, engine_hash, e);
+                    r.forget_extras(engine_hash, e.copies);
+                    let old = remove_engine_block(&mut r.engine, engine_hash, e);
                     release(&mut self.blocks, &old, e.copies & GPU_BITS != 0, out);
                 }
                 None => {}
@@ -270,7 +395,7 @@ impl WorkerCache {
                 }
                 let (key, entry_span) =
                     if j + 1 == routers.len() { (engine_hash, span) } else { (part_key(engine_hash, j as u32), 0) };
-                engine.insert(key, EngineBlock { router: hash, copies: bit, span: entry_span });
+                r.engine.insert(key, EngineBlock { router: hash, copies: bit, span: entry_span });
             }
         }
         Outcome::Applied
@@ -280,26 +405,32 @@ impl WorkerCache {
         if ev.group_idx >= MAX_GROUPS {
             return Outcome::Malformed;
         }
-        let Some(engine) = self.ranks.get_mut(rank) else {
+        let Some(r) = self.ranks.get_mut(rank) else {
             return Outcome::Malformed;
         };
+        if !r.is_full(ev.group_idx) {
+            return Outcome::NotFullAttention;
+        }
         let bit = copy_bit(ev.group_idx, ev.medium);
         let mut all_held = true;
         for &h in &ev.block_hashes {
-            let Some(e) = main_entry(engine, h).filter(|e| e.copies & bit != 0) else {
+            let Some(e) = main_entry(&r.engine, h).filter(|e| e.copies & bit != 0) else {
                 all_held = false;
                 continue;
             };
+            if r.take_extra(h, bit) {
+                continue; // another announcement of this copy still stands
+            }
             let had_gpu = e.copies & GPU_BITS != 0;
             let copies = e.copies & !bit;
             if copies == 0 {
-                let old = remove_engine_block(engine, h, e);
+                let old = remove_engine_block(&mut r.engine, h, e);
                 release(&mut self.blocks, &old, had_gpu, out);
             } else {
-                set_copies(engine, h, e, copies);
+                set_copies(&mut r.engine, h, e, copies);
                 if had_gpu && copies & GPU_BITS == 0 {
-                    for r in routers_of(engine, h, e) {
-                        gpu_lost(&mut self.blocks, r, out);
+                    for router in routers_of(&r.engine, h, e) {
+                        gpu_lost(&mut self.blocks, router, out);
                     }
                 }
             }
@@ -312,18 +443,20 @@ impl WorkerCache {
     }
 
     /// Forgets everything one DP rank holds (`AllBlocksCleared`, a restart, a lost stream).
-    /// Returns true if the worker now holds nothing at all.
+    /// Returns true if the worker now holds nothing at all. What the rank's groups are is
+    /// kept: a cleared cache has the same layout.
     pub fn clear_rank(&mut self, rank: usize, out: &mut Vec<Change>) -> bool {
         let sole = self.ranks.len() == 1;
-        if let Some(engine) = self.ranks.get_mut(rank) {
+        if let Some(r) = self.ranks.get_mut(rank) {
+            r.extra_offloaded.clear();
             if sole {
                 // Sole rank: drop everything at once (the caller publishes a CLEAR).
-                engine.clear();
+                r.engine.clear();
                 self.blocks.clear();
             } else {
                 // Every entry, main or part, holds one router block with the copies of its
                 // engine block.
-                for (_, e) in engine.drain() {
+                for (_, e) in r.engine.drain() {
                     release(&mut self.blocks, &[e.router], e.copies & GPU_BITS != 0, out);
                 }
             }
@@ -333,7 +466,35 @@ impl WorkerCache {
 
     /// Heap bytes held by the tables.
     pub fn heap_bytes(&self) -> usize {
-        self.ranks.iter().map(HashTable::heap_bytes).sum::<usize>() + self.blocks.heap_bytes()
+        self.ranks.iter().map(|r| r.engine.heap_bytes() + r.extra_offloaded.heap_bytes()).sum::<usize>()
+            + self.blocks.heap_bytes()
+    }
+}
+
+/// vLLM's offload placeholder: an offload tier holds engine blocks known only by hash. Each
+/// is found among the blocks stored with their tokens (the offloading connector offloads
+/// what the GPU holds, so its GPU store came first).
+fn store_placeholder(
+    r: &mut Rank,
+    blocks: &mut HashTable<RouterBlock>,
+    ev: &BlockStored,
+    bit: u32,
+    out: &mut Vec<Change>,
+) -> Outcome {
+    if ev.medium != Medium::Offloaded {
+        return Outcome::Malformed;
+    }
+    let mut all_known = true;
+    for &h in &ev.block_hashes {
+        match main_entry(&r.engine, h) {
+            Some(e) => r.add_copy(blocks, h, e, bit, out),
+            None => all_known = false,
+        }
+    }
+    if all_known {
+        Outcome::Applied
+    } else {
+        Outcome::UnknownBlock
     }
 }
 
@@ -344,7 +505,8 @@ impl WorkerCache {
 /// adapter's name, then — on a request's first block only — its cache salt. So: every
 /// string equal to `lora_name` is the adapter; on the chain's first block one other string
 /// is the salt; anything else (multimodal inputs, non-string keys) cannot come from a
-/// request's tokens and makes the event unroutable.
+/// request's tokens and makes the event unroutable. SGLang names the salt in its own
+/// `cache_salt` field instead.
 fn namespace_of(ev: &BlockStored) -> Result<u64, Outcome> {
     if ev.lora_id.is_some() && ev.lora_name.is_none() {
         return Err(Outcome::Unroutable); // adapter known only by id (old vLLM)
@@ -369,6 +531,10 @@ fn namespace_of(ev: &BlockStored) -> Result<u64, Outcome> {
             }
         }
     }
+    let salt = match (ev.cache_salt.as_deref(), salt) {
+        (Some(a), Some(b)) if a != b => return Err(Outcome::Malformed),
+        (a, b) => a.or(b),
+    };
     if ev.parent.is_some() {
         return Ok(BASE_NAMESPACE); // unused: the parent's hash carries the namespace
     }
@@ -425,6 +591,8 @@ mod tests {
             lora_name: None,
             extra_keys: Vec::new(),
             group_idx: 0,
+            group_kind: None,
+            cache_salt: None,
         }
     }
 
@@ -602,5 +770,209 @@ mod tests {
         assert_eq!(c.apply_stored(0, &short, 16, &mut out), Outcome::Malformed);
         assert_eq!(c.apply_stored(0, &stored(&[1, 2], None, toks(16), 16), 16, &mut out), Outcome::Malformed);
         assert_eq!(c.block_count(), 0);
+    }
+
+    fn removed_in(hashes: &[u64], group: u32, medium: Medium) -> BlockRemoved {
+        BlockRemoved { block_hashes: hashes.to_vec(), medium, group_idx: group }
+    }
+
+    fn placeholder(hashes: &[u64]) -> BlockStored {
+        let mut p = stored(hashes, None, Vec::new(), 0);
+        p.medium = Medium::Offloaded;
+        p
+    }
+
+    #[test]
+    fn groups_that_are_not_full_attention_are_not_indexed() {
+        let tokens = toks(16 * 4);
+        let mut c = WorkerCache::new(1);
+        let mut out = Vec::new();
+        let mut full = stored(&[1, 2, 3, 4], None, tokens.clone(), 16);
+        full.group_kind = Some(GroupKind::Full);
+        assert_eq!(c.apply_stored(0, &full, 16, &mut out), Outcome::Applied);
+        // vLLM's sliding-window store: blocks 0 and 1 fell out of the window (null, no hash),
+        // but the event still carries every token.
+        let mut swa = stored(&[3, 4], None, tokens.clone(), 16);
+        (swa.group_idx, swa.group_kind) = (1, Some(GroupKind::NotFull));
+        assert_eq!(c.apply_stored(0, &swa, 16, &mut out), Outcome::NotFullAttention);
+        let mut mamba = stored(&[4], Some(3), tokens[48..].to_vec(), 16);
+        (mamba.group_idx, mamba.group_kind) = (2, Some(GroupKind::Unknown));
+        assert_eq!(c.apply_stored(0, &mamba, 16, &mut out), Outcome::NotFullAttention);
+        assert_eq!(c.block_count(), 4);
+        // Their removals and their offload placeholders (which carry no kind) are known as
+        // theirs, and the full-attention copies stay.
+        assert_eq!(c.apply_removed(0, &removed_in(&[3, 4], 1, Medium::Gpu), &mut out), Outcome::NotFullAttention);
+        let mut p = placeholder(&[4]);
+        p.group_idx = 1;
+        assert_eq!(c.apply_stored(0, &p, 16, &mut out), Outcome::NotFullAttention);
+        assert_eq!((c.block_count(), c.offloaded_count()), (4, 0));
+        // A group is what its latest store says.
+        let mut again = stored(&[1], None, tokens[..16].to_vec(), 16);
+        (again.group_idx, again.group_kind) = (1, Some(GroupKind::Full));
+        assert_eq!(c.apply_stored(0, &again, 16, &mut out), Outcome::Applied);
+        assert_eq!(c.apply_removed(0, &removed_in(&[1], 1, Medium::Gpu), &mut out), Outcome::Applied);
+    }
+
+    /// vLLM 0.33's hit length in blocks, transcribed from `HybridKVCacheCoordinator.
+    /// find_longest_cache_hit` and the `find_longest_cache_hit` of `FullAttentionManager`,
+    /// `SlidingWindowManager` and `MambaManager` (block size = hash block size, no EAGLE):
+    /// each group in turn shortens the candidate length until none does.
+    fn vllm_hit(n: usize, full: &[bool], swa: Option<(&[bool], usize)>, mamba: Option<&[bool]>) -> usize {
+        let mut len = n;
+        loop {
+            let before = len;
+            len = full[..len].iter().take_while(|h| **h).count();
+            if let Some((held, window_blocks)) = swa {
+                // Right to left: the first run of `window_blocks` held blocks ends the hit;
+                // with none, the run from block 0.
+                let mut run = 0;
+                let mut hit = None;
+                for i in (0..len).rev() {
+                    run = if held[i] { run + 1 } else { 0 };
+                    if run >= window_blocks {
+                        hit = Some(i + window_blocks);
+                        break;
+                    }
+                }
+                len = hit.unwrap_or(run);
+            }
+            if let Some(held) = mamba {
+                len = (1..=len).rev().find(|&p| held[p - 1]).unwrap_or(0);
+            }
+            if len == before {
+                return len;
+            }
+        }
+    }
+
+    #[test]
+    fn cache_hits_are_vllms_for_full_attention_and_bound_them_for_hybrid_models() {
+        let mut x = 0x2545_F491_4F6C_DD1Du64;
+        let mut rnd = |m: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x % m) as usize
+        };
+        let (mut equal, mut bounded) = (0, 0);
+        for trial in 0..600 {
+            let n = 1 + rnd(20);
+            let tokens = toks(16 * n as u32);
+            let chain = FeedBlock::chain(&tokens, 16);
+            let hashes: Vec<u64> = (1..=n as u64).collect();
+            let mut held = |p: usize| (0..n).map(|_| rnd(100) < p).collect::<Vec<bool>>();
+            let full = held(85);
+            let other = held(60);
+            let window_blocks = 1 + rnd(4);
+            let model = trial % 3; // full attention only; + sliding window; + Mamba
+
+            // The engine's events: the full-attention group stores the chain and evicts
+            // what it no longer holds; the other group stores what it holds.
+            let mut c = WorkerCache::new(1);
+            let mut out = Vec::new();
+            let mut ev = stored(&hashes, None, tokens.clone(), 16);
+            ev.group_kind = Some(GroupKind::Full);
+            c.apply_stored(0, &ev, 16, &mut out);
+            let evicted: Vec<u64> = (0..n).filter(|&i| !full[i]).map(|i| hashes[i]).collect();
+            c.apply_removed(0, &removed_in(&evicted, 0, Medium::Gpu), &mut out);
+            if model > 0 {
+                let kept: Vec<u64> = (0..n).filter(|&i| other[i]).map(|i| hashes[i]).collect();
+                let mut o = stored(&kept, None, tokens.clone(), 16);
+                (o.group_idx, o.group_kind) = (1, Some(GroupKind::NotFull));
+                assert_eq!(c.apply_stored(0, &o, 16, &mut out), Outcome::NotFullAttention);
+            }
+            let index: std::collections::HashSet<u64> = c.feed_blocks().map(|(b, _)| b.hash).collect();
+            let ours = chain.iter().take_while(|b| index.contains(&b.hash)).count();
+
+            let swa = (model == 1).then_some((other.as_slice(), window_blocks));
+            let mamba = (model == 2).then_some(other.as_slice());
+            let theirs = vllm_hit(n, &full, swa, mamba);
+            assert!(ours >= theirs, "trial {trial}: ours {ours} < vLLM's {theirs}");
+            // Equal whenever the other group holds its state at the end of our prefix.
+            let state_at_end = match model {
+                0 => true,
+                1 => (ours.saturating_sub(window_blocks)..ours).all(|i| other[i]),
+                _ => ours == 0 || other[ours - 1],
+            };
+            if state_at_end {
+                assert_eq!(ours, theirs, "trial {trial}: model {model}");
+                equal += 1;
+            } else {
+                bounded += 1;
+            }
+        }
+        // Both cases were exercised.
+        assert!(equal > 100 && bounded > 50, "{equal} equal, {bounded} bounded");
+    }
+
+    #[test]
+    fn offload_placeholders_name_blocks_stored_with_their_tokens() {
+        let tokens = toks(16 * 3);
+        let mut c = WorkerCache::new(1);
+        let mut out = Vec::new();
+        c.apply_stored(0, &stored(&[1, 2, 3], None, tokens, 16), 16, &mut out);
+        // vLLM's offloading connector without self-describing events: hash only, block_size 0.
+        assert_eq!(c.apply_stored(0, &placeholder(&[2, 3]), 16, &mut out), Outcome::Applied);
+        assert_eq!(c.apply_removed(0, &removed(&[2, 3]), &mut out), Outcome::Applied);
+        assert_eq!((c.block_count(), c.offloaded_count()), (3, 2));
+        // A hash never stored with tokens cannot be indexed; a GPU "placeholder" is malformed.
+        assert_eq!(c.apply_stored(0, &placeholder(&[2, 99]), 16, &mut out), Outcome::UnknownBlock);
+        let mut gpu = placeholder(&[1]);
+        gpu.medium = Medium::Gpu;
+        assert_eq!(c.apply_stored(0, &gpu, 16, &mut out), Outcome::Malformed);
+        // Block 2's CPU copy was announced twice (two placeholders): it takes two removals.
+        assert_eq!(c.apply_removed(0, &removed_in(&[2, 3], 0, Medium::Offloaded), &mut out), Outcome::Applied);
+        assert_eq!(c.block_count(), 2);
+        assert_eq!(c.apply_removed(0, &removed_in(&[2], 0, Medium::Offloaded), &mut out), Outcome::Applied);
+        assert_eq!(c.block_count(), 1);
+    }
+
+    #[test]
+    fn self_describing_offload_stores_are_counted_per_announcement() {
+        // Two chunks of 4 blocks that share blocks 0-1 (a prefix ending mid-chunk): vLLM
+        // announces the shared blocks once per chunk and removes them with each chunk.
+        let (a, b) = (toks(16 * 4), [toks(32), (5000..5032).collect()].concat());
+        let mut c = WorkerCache::new(1);
+        let mut out = Vec::new();
+        let cpu = |hashes: &[u64], tokens: &[u32]| {
+            let mut e = stored(hashes, None, tokens.to_vec(), 16);
+            e.medium = Medium::Offloaded;
+            e
+        };
+        assert_eq!(c.apply_stored(0, &cpu(&[1, 2, 3, 4], &a), 16, &mut out), Outcome::Applied);
+        assert_eq!(c.apply_stored(0, &cpu(&[1, 2, 7, 8], &b), 16, &mut out), Outcome::Applied);
+        assert_eq!((c.block_count(), c.offloaded_count()), (6, 6));
+        c.apply_removed(0, &removed_in(&[1, 2, 3, 4], 0, Medium::Offloaded), &mut out);
+        assert_eq!(c.block_count(), 4, "the second chunk still holds blocks 0-1");
+        c.apply_removed(0, &removed_in(&[1, 2, 7, 8], 0, Medium::Offloaded), &mut out);
+        assert_eq!(c.block_count(), 0);
+        // GPU re-announcements (vLLM's `full` report mode) are not counted: one removal goes.
+        c.apply_stored(0, &stored(&[1], None, toks(16), 16), 16, &mut out);
+        c.apply_stored(0, &stored(&[1], None, toks(16), 16), 16, &mut out);
+        c.apply_removed(0, &removed(&[1]), &mut out);
+        assert_eq!(c.block_count(), 0);
+    }
+
+    #[test]
+    fn sglang_names_the_salt_in_its_own_field() {
+        let tokens = toks(32);
+        let mut c = WorkerCache::new(1);
+        let mut out = Vec::new();
+        let mut first = stored(&[1], None, tokens[..16].to_vec(), 16);
+        first.cache_salt = Some("tenant-7".into());
+        let mut child = stored(&[2], Some(1), tokens[16..].to_vec(), 16);
+        child.cache_salt = Some("tenant-7".into());
+        assert_eq!(c.apply_stored(0, &first, 16, &mut out), Outcome::Applied);
+        assert_eq!(c.apply_stored(0, &child, 16, &mut out), Outcome::Applied);
+        let mut got: Vec<FeedBlock> = c.feed_blocks().map(|b| b.0).collect();
+        let mut want = FeedBlock::chain_in(&tokens, 16, namespace(None, Some(b"tenant-7")));
+        got.sort_by_key(|b| b.hash);
+        want.sort_by_key(|b| b.hash);
+        assert_eq!(got, want);
+        // Two different salts for one block cannot both be right.
+        let mut both = stored(&[3], None, toks(16), 16);
+        both.cache_salt = Some("a".into());
+        both.extra_keys = vec![ExtraKeys::Strings(vec!["b".into()])];
+        assert_eq!(c.apply_stored(0, &both, 16, &mut out), Outcome::Malformed);
     }
 }

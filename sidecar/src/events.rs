@@ -1,21 +1,33 @@
 //! KV-cache events as vLLM and SGLang publish them, decoded from their msgpack payloads.
 //!
-//! Every form the engines have shipped is accepted (see `DESIGN.md`, "The sidecar"):
-//! - the batch as an array `[ts, events, dp_rank?]` or a map
-//!   `{ts, events, data_parallel_rank | attn_dp_rank}`;
-//! - each event as a tagged array `["BlockStored", …]` or a map with a `type` tag;
+//! Every form the engines have shipped is accepted (the table in `sidecar/README.md`,
+//! "Compatibility", names each with its versions):
+//! - the batch as an array `[ts, events, dp_rank?]` (every vLLM and SGLang release) or a
+//!   map `{ts, events, data_parallel_rank | attn_dp_rank}`;
+//! - each event as a tagged array `["BlockStored", …]` (vLLM ≤ 0.23, SGLang ≤ 0.5.19) or a
+//!   map with a `type` tag and defaults omitted (vLLM ≥ 0.24, SGLang ≥ 0.5.20);
 //! - block hashes as msgpack ints (u64 or i64) or bytes (the last 8 bytes, big-endian);
+//! - a token as an int or, in SGLang's EAGLE "bigram" pages, a pair whose first element is
+//!   the token;
 //! - unknown trailing fields and unknown map keys are ignored.
 //!
-//! Decoding is all or nothing per batch: a payload that is not a well-formed batch is an
-//! error (the caller cannot know what it said, so it must not guess). An event whose tag
-//! is not known is kept as [`Event::Unknown`] so it can be counted and skipped.
+//! A batch is read event by event ([`BatchReader`]), so applying one costs the memory of one
+//! event whatever the batch's size; [`decode_batch`] collects them (tests, benchmarks). A
+//! payload that is not a well-formed batch is an error, found where it goes wrong: the
+//! caller cannot know what the batch said, so it clears the stream, dropping what the
+//! batch's first events did with the rest. Events of a type not known are counted and
+//! dropped.
+//!
+//! No allocation follows a header's word: every reservation goes through
+//! [`kvroute::wire::capacity_for`], so a length prefix can only reserve what the bytes
+//! after it could hold.
 
 use crate::msgpack::{Kind, MsgpackError, Reader};
+use kvroute::wire::capacity_for;
 
 /// Where a block lives. vLLM sends `medium = "GPU"` (or nothing) for device memory; any
-/// other medium (`"CPU"`, disk, a connector's name) is a lower tier the engine can load
-/// the block back from.
+/// other medium (vLLM `"CPU"`, `"STORAGE"`; SGLang `"CPU_PINNED"`, `"DISK"`, `"EXTERNAL"`;
+/// a connector's name) is a lower tier the engine can load the block back from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Medium {
     Gpu,
@@ -32,14 +44,45 @@ impl Medium {
     }
 }
 
+/// The kind of KV-cache group a stored block belongs to (vLLM's `kv_cache_spec_kind`,
+/// sent since 0.22; SGLang and older vLLM send none). Only full-attention groups make
+/// prefix hits on their own; see `cache.rs` for what the others mean for `cache_hits`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GroupKind {
+    /// `full_attention`, `mla_attention`, `sink_full_attention`.
+    Full,
+    /// `sliding_window`, `sliding_window_mla`, `chunked_local_attention`, `mamba`:
+    /// state the engine needs only near a hit's end; `encoder_only_attention`,
+    /// `cross_attention`: never prefix-cached.
+    NotFull,
+    /// A kind this sidecar does not know (vLLM's own `unknown`, or a newer one).
+    Unknown,
+}
+
+impl GroupKind {
+    fn parse(s: &str) -> GroupKind {
+        match s {
+            "full_attention" | "mla_attention" | "sink_full_attention" => GroupKind::Full,
+            "sliding_window"
+            | "sliding_window_mla"
+            | "chunked_local_attention"
+            | "mamba"
+            | "encoder_only_attention"
+            | "cross_attention" => GroupKind::NotFull,
+            _ => GroupKind::Unknown,
+        }
+    }
+}
+
 /// One block's `extra_keys` entry: what besides its tokens went into the engine's hash.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ExtraKeys {
     /// No extra keys (msgpack nil, or no `extra_keys` field at all).
     None,
-    /// A tuple of strings (LoRA name, cache salt, multimodal identifiers).
+    /// A tuple of strings (LoRA name, cache salt).
     Strings(Vec<String>),
-    /// Anything else: cannot be reproduced from a request.
+    /// Anything else (multimodal `(identifier, offset)` pairs, prompt-embedding digests):
+    /// cannot be reproduced from a request.
     Opaque,
 }
 
@@ -49,17 +92,31 @@ pub struct BlockStored {
     pub block_hashes: Vec<u64>,
     /// Engine hash of the block before `block_hashes[0]`; `None` for a chain's first block.
     pub parent: Option<u64>,
-    /// The tokens of all blocks, concatenated.
+    /// The tokens of all blocks, concatenated. Empty in vLLM's offload placeholders, which
+    /// name an engine block stored elsewhere with `block_size` 0.
     pub token_ids: Vec<u32>,
     /// Tokens per engine block.
     pub block_size: u32,
     pub medium: Medium,
     pub lora_id: Option<i64>,
     pub lora_name: Option<String>,
-    /// One entry per block, when the engine sent them.
+    /// One entry per block, when the engine sent them (vLLM ≥ 0.17).
     pub extra_keys: Vec<ExtraKeys>,
     /// KV-cache group (hybrid models have several); 0 when not sent.
     pub group_idx: u32,
+    /// The group's kind, when the engine says (vLLM ≥ 0.22).
+    pub group_kind: Option<GroupKind>,
+    /// SGLang's cache salt: its `cache_salt` field (≥ 0.5.20) or `metadata.cache_salt`
+    /// (0.5.18–0.5.19). vLLM sends the salt in `extra_keys` instead.
+    pub cache_salt: Option<String>,
+}
+
+impl BlockStored {
+    /// vLLM's offloading connector without `self_describing_kv_events`: "an offload tier now
+    /// holds the engine block with this hash", with no tokens (`block_size` 0).
+    pub fn is_placeholder(&self) -> bool {
+        self.block_size == 0 && self.token_ids.is_empty()
+    }
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -74,10 +131,9 @@ pub enum Event {
     Stored(BlockStored),
     Removed(BlockRemoved),
     Cleared,
-    /// An event type this sidecar does not know (kept to be counted).
-    Unknown(String),
 }
 
+/// A whole decoded batch ([`decode_batch`]).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Batch {
     /// Publisher's wall clock, seconds since the epoch.
@@ -85,6 +141,9 @@ pub struct Batch {
     pub events: Vec<Event>,
     /// The data-parallel rank the publisher reports, if any.
     pub dp_rank: Option<u32>,
+    /// Events of a type this sidecar does not know (counted, skipped), and the first one's tag.
+    pub unknown: u64,
+    pub first_unknown: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -106,53 +165,135 @@ fn bad<T>(what: &str) -> Result<T, DecodeError> {
     Err(DecodeError(what.to_string()))
 }
 
-/// Decodes one event-batch payload.
+/// Decodes one whole event-batch payload.
 pub fn decode_batch(payload: &[u8]) -> Result<Batch, DecodeError> {
-    let mut r = Reader::new(payload);
-    let batch = match r.peek_kind()? {
-        Kind::Array => {
-            let n = r.array_len()?;
-            if n < 2 {
-                return bad("batch array has fewer than 2 fields");
-            }
-            let ts = r.number()?;
-            let events = decode_events(&mut r)?;
-            let dp_rank = if n >= 3 { opt_u32(&mut r)? } else { None };
-            for _ in 3..n {
-                r.skip()?;
-            }
-            Batch { ts, events, dp_rank }
-        }
-        Kind::Map => {
-            let (mut ts, mut events, mut dp_rank) = (None, None, None);
-            for _ in 0..r.map_len()? {
-                match r.str()? {
-                    "ts" => ts = Some(r.number()?),
-                    "events" => events = Some(decode_events(&mut r)?),
-                    "data_parallel_rank" | "attn_dp_rank" | "dp_rank" => dp_rank = opt_u32(&mut r)?,
-                    _ => r.skip()?,
-                }
-            }
-            let (Some(ts), Some(events)) = (ts, events) else {
-                return bad("batch map lacks `ts` or `events`");
-            };
-            Batch { ts, events, dp_rank }
-        }
-        _ => return bad("batch is neither an array nor a map"),
-    };
-    if !r.is_at_end() {
-        return bad("trailing bytes after the batch");
+    let mut reader = BatchReader::new(payload)?;
+    let mut events = Vec::new();
+    while let Some(e) = reader.next_event()? {
+        events.push(e);
     }
-    Ok(batch)
+    let tail = reader.finish()?;
+    Ok(Batch { ts: tail.ts, events, dp_rank: tail.dp_rank, unknown: tail.unknown, first_unknown: tail.first_unknown })
 }
 
-fn decode_events(r: &mut Reader) -> Result<Vec<Event>, DecodeError> {
-    let n = r.array_len()?;
-    let mut out = Vec::with_capacity(n);
-    for _ in 0..n {
-        out.push(decode_event(r)?);
+/// What a batch says besides its events, known once they are read (a map batch may put
+/// `ts` after them).
+#[derive(Debug, Clone, PartialEq)]
+pub struct BatchTail {
+    pub ts: f64,
+    pub dp_rank: Option<u32>,
+    /// Events of a type this sidecar does not know (counted, skipped), and the first one's tag.
+    pub unknown: u64,
+    pub first_unknown: Option<String>,
+}
+
+/// Reads one batch payload event by event: [`BatchReader::next_event`] until `None`, then
+/// [`BatchReader::finish`] for the fields after the events and the end-of-payload check.
+pub struct BatchReader<'a> {
+    r: Reader<'a>,
+    /// Events not read yet.
+    left: usize,
+    /// What follows the events: positional fields, or key/value pairs of a map batch.
+    after: After,
+    ts: Option<f64>,
+    dp_rank: Option<u32>,
+    unknown: u64,
+    first_unknown: Option<String>,
+}
+
+enum After {
+    Fields(usize),
+    Pairs(usize),
+}
+
+impl<'a> BatchReader<'a> {
+    /// Reads up to the first event.
+    pub fn new(payload: &'a [u8]) -> Result<BatchReader<'a>, DecodeError> {
+        let mut r = Reader::new(payload);
+        let (mut ts, mut dp_rank) = (None, None);
+        let after = match r.peek_kind()? {
+            Kind::Array => {
+                let n = r.array_len()?;
+                if n < 2 {
+                    return bad("batch array has fewer than 2 fields");
+                }
+                ts = Some(r.number()?);
+                After::Fields(n - 2)
+            }
+            Kind::Map => {
+                let mut pairs = r.map_len()?;
+                loop {
+                    if pairs == 0 {
+                        return bad("batch map lacks `events`");
+                    }
+                    pairs -= 1;
+                    if !read_batch_key(&mut r, &mut ts, &mut dp_rank)? {
+                        break After::Pairs(pairs); // at `events`
+                    }
+                }
+            }
+            _ => return bad("batch is neither an array nor a map"),
+        };
+        let left = r.array_len()?;
+        Ok(BatchReader { r, left, after, ts, dp_rank, unknown: 0, first_unknown: None })
     }
-    Ok(out)
+
+    /// The next event the sidecar knows, or `None` after the last.
+    pub fn next_event(&mut self) -> Result<Option<Event>, DecodeError> {
+        while self.left > 0 {
+            self.left -= 1;
+            match decode_event(&mut self.r)? {
+                Decoded::Event(e) => return Ok(Some(e)),
+                Decoded::Unknown(tag) => {
+                    self.unknown += 1;
+                    if self.first_unknown.is_none() {
+                        self.first_unknown = Some(tag.to_string());
+                    }
+                }
+            }
+        }
+        Ok(None)
+    }
+
+    /// Reads the rest of the payload (events not read yet are decoded and dropped).
+    pub fn finish(mut self) -> Result<BatchTail, DecodeError> {
+        while self.next_event()?.is_some() {}
+        match self.after {
+            After::Fields(n) => {
+                if n >= 1 {
+                    self.dp_rank = opt_u32(&mut self.r)?;
+                }
+                for _ in 1..n {
+                    self.r.skip()?;
+                }
+            }
+            After::Pairs(n) => {
+                for _ in 0..n {
+                    if !read_batch_key(&mut self.r, &mut self.ts, &mut self.dp_rank)? {
+                        return bad("batch map has `events` twice");
+                    }
+                }
+            }
+        }
+        let Some(ts) = self.ts else {
+            return bad("batch map lacks `ts`");
+        };
+        if !self.r.is_at_end() {
+            return bad("trailing bytes after the batch");
+        }
+        Ok(BatchTail { ts, dp_rank: self.dp_rank, unknown: self.unknown, first_unknown: self.first_unknown })
+    }
+}
+
+/// One key/value pair of a map batch other than `events`; false (value unread) at `events`.
+fn read_batch_key(r: &mut Reader, ts: &mut Option<f64>, dp_rank: &mut Option<u32>) -> Result<bool, DecodeError> {
+    match r.str()? {
+        "events" => return Ok(false),
+        "ts" => *ts = Some(r.number()?),
+        "data_parallel_rank" | "attn_dp_rank" | "dp_rank" => *dp_rank = opt_u32(r)?,
+        _ => r.skip()?,
+    }
+    Ok(true)
 }
 
 /// The fields any event type may carry, filled from either wire form.
@@ -163,10 +304,12 @@ struct Fields {
     token_ids: Option<Vec<u32>>,
     block_size: Option<u32>,
     lora_id: Option<i64>,
-    medium: Option<String>,
+    medium: Option<Medium>,
     lora_name: Option<String>,
     extra_keys: Vec<ExtraKeys>,
     group_idx: Option<u32>,
+    kind: Option<GroupKind>,
+    cache_salt: Option<String>,
 }
 
 impl Fields {
@@ -177,17 +320,37 @@ impl Fields {
             "token_ids" => self.token_ids = Some(token_list(r)?),
             "block_size" => self.block_size = Some(r.u32()?),
             "lora_id" => self.lora_id = opt_i64(r)?,
-            "medium" => self.medium = opt_str(r)?,
+            // (Both read without a copy: they are on every event.)
+            "medium" => self.medium = Some(Medium::parse(opt_str_ref(r)?)),
             "lora_name" => self.lora_name = opt_str(r)?,
             "extra_keys" => self.extra_keys = extra_keys(r)?,
             "group_idx" => self.group_idx = opt_u32(r)?,
+            "kv_cache_spec_kind" => self.kind = opt_str_ref(r)?.map(GroupKind::parse),
+            "cache_salt" => self.cache_salt = opt_str(r)?,
+            // SGLang 0.5.18–0.5.19: `BlockStoredWithMetadata`'s `{"cache_salt": …}`.
+            "metadata" => self.read_metadata(r)?,
+            // Known and not needed: `kv_cache_spec_sliding_window`, `locality`, `ownership`,
+            // `session_id`, `lookahead_token_ids` (see cache.rs on lookahead hashing).
             _ => r.skip()?,
         }
         Ok(())
     }
 
-    fn into_event(self, tag: &str) -> Result<Event, DecodeError> {
-        Ok(match tag {
+    fn read_metadata(&mut self, r: &mut Reader) -> Result<(), DecodeError> {
+        if r.nil()? {
+            return Ok(());
+        }
+        for _ in 0..r.map_len()? {
+            match r.str()? {
+                "cache_salt" => self.cache_salt = opt_str(r)?,
+                _ => r.skip()?,
+            }
+        }
+        Ok(())
+    }
+
+    fn into_event(self, tag: &str) -> Result<Decoded<'_>, DecodeError> {
+        Ok(Decoded::Event(match tag {
             "BlockStored" => {
                 let (Some(block_hashes), Some(token_ids), Some(block_size)) =
                     (self.block_hashes, self.token_ids, self.block_size)
@@ -199,11 +362,13 @@ impl Fields {
                     parent: self.parent,
                     token_ids,
                     block_size,
-                    medium: Medium::parse(self.medium.as_deref()),
+                    medium: self.medium.unwrap_or(Medium::Gpu),
                     lora_id: self.lora_id,
                     lora_name: self.lora_name,
                     extra_keys: self.extra_keys,
                     group_idx: self.group_idx.unwrap_or(0),
+                    group_kind: self.kind,
+                    cache_salt: self.cache_salt,
                 })
             }
             "BlockRemoved" => {
@@ -212,17 +377,26 @@ impl Fields {
                 };
                 Event::Removed(BlockRemoved {
                     block_hashes,
-                    medium: Medium::parse(self.medium.as_deref()),
+                    medium: self.medium.unwrap_or(Medium::Gpu),
                     group_idx: self.group_idx.unwrap_or(0),
                 })
             }
             "AllBlocksCleared" => Event::Cleared,
-            other => Event::Unknown(other.to_string()),
-        })
+            other => return Ok(Decoded::Unknown(other)),
+        }))
     }
 }
 
-/// Field order of the array (`array_like`) form, after the tag.
+enum Decoded<'a> {
+    Event(Event),
+    Unknown(&'a str),
+}
+
+/// Field order of the positional (`array_like`) form after the tag: vLLM's, which every
+/// release only ever extended at the end (0.9: the first five; 0.10.2 `medium`; 0.14
+/// `lora_name`; 0.17 `extra_keys`; 0.20 `group_idx`; 0.22 the spec kind and window).
+/// SGLang's positional `BlockStored` is the same up to `medium`, then (0.5.18–0.5.19, a
+/// salted block) a `metadata` map where vLLM has `lora_name`.
 const STORED_FIELDS: &[&str] = &[
     "block_hashes",
     "parent_block_hash",
@@ -233,10 +407,13 @@ const STORED_FIELDS: &[&str] = &[
     "lora_name",
     "extra_keys",
     "group_idx",
+    "kv_cache_spec_kind",
+    "kv_cache_spec_sliding_window",
 ];
+const LORA_NAME_AT: usize = 6;
 const REMOVED_FIELDS: &[&str] = &["block_hashes", "medium", "group_idx"];
 
-fn decode_event(r: &mut Reader) -> Result<Event, DecodeError> {
+fn decode_event<'a>(r: &mut Reader<'a>) -> Result<Decoded<'a>, DecodeError> {
     let mut fields = Fields::default();
     match r.peek_kind()? {
         Kind::Array => {
@@ -252,6 +429,9 @@ fn decode_event(r: &mut Reader) -> Result<Event, DecodeError> {
             };
             for i in 0..n - 1 {
                 match names.get(i) {
+                    Some(_) if i == LORA_NAME_AT && tag == "BlockStored" && r.peek_kind()? == Kind::Map => {
+                        fields.read("metadata", r)?
+                    }
                     Some(name) => fields.read(name, r)?,
                     None => r.skip()?,
                 }
@@ -309,7 +489,7 @@ fn opt_hash(r: &mut Reader) -> Result<Option<u64>, DecodeError> {
 
 fn hash_list(r: &mut Reader) -> Result<Vec<u64>, DecodeError> {
     let n = r.array_len()?;
-    let mut out = Vec::with_capacity(n);
+    let mut out = Vec::with_capacity(capacity_for::<u64>(n, r.remaining(), 1));
     for _ in 0..n {
         out.push(hash(r)?);
     }
@@ -318,11 +498,28 @@ fn hash_list(r: &mut Reader) -> Result<Vec<u64>, DecodeError> {
 
 fn token_list(r: &mut Reader) -> Result<Vec<u32>, DecodeError> {
     let n = r.array_len()?;
-    let mut out = Vec::with_capacity(n);
+    let mut out = Vec::with_capacity(capacity_for::<u32>(n, r.remaining(), 1));
     for _ in 0..n {
-        out.push(r.u32().map_err(|_| DecodeError("token id is not a u32".into()))?);
+        out.push(token(r)?);
     }
     Ok(out)
+}
+
+fn token(r: &mut Reader) -> Result<u32, DecodeError> {
+    let not_a_token = |_| DecodeError("token id is not a u32".into());
+    if let Some(t) = r.u32_if_int().map_err(not_a_token)? {
+        return Ok(t);
+    }
+    // SGLang's EAGLE bigram page: (token, next token).
+    let n = r.array_len()?;
+    if n == 0 {
+        return bad("empty token pair");
+    }
+    let t = r.u32().map_err(not_a_token)?;
+    for _ in 1..n {
+        r.skip()?;
+    }
+    Ok(t)
 }
 
 fn opt_u32(r: &mut Reader) -> Result<Option<u32>, DecodeError> {
@@ -341,10 +538,14 @@ fn opt_i64(r: &mut Reader) -> Result<Option<i64>, DecodeError> {
 }
 
 fn opt_str(r: &mut Reader) -> Result<Option<String>, DecodeError> {
+    Ok(opt_str_ref(r)?.map(str::to_string))
+}
+
+fn opt_str_ref<'a>(r: &mut Reader<'a>) -> Result<Option<&'a str>, DecodeError> {
     if r.nil()? {
         return Ok(None);
     }
-    Ok(Some(r.str()?.to_string()))
+    Ok(Some(r.str()?))
 }
 
 fn extra_keys(r: &mut Reader) -> Result<Vec<ExtraKeys>, DecodeError> {
@@ -352,7 +553,7 @@ fn extra_keys(r: &mut Reader) -> Result<Vec<ExtraKeys>, DecodeError> {
         return Ok(Vec::new());
     }
     let n = r.array_len()?;
-    let mut out = Vec::with_capacity(n);
+    let mut out = Vec::with_capacity(capacity_for::<ExtraKeys>(n, r.remaining(), 1));
     for _ in 0..n {
         if r.nil()? {
             out.push(ExtraKeys::None);
@@ -364,7 +565,7 @@ fn extra_keys(r: &mut Reader) -> Result<Vec<ExtraKeys>, DecodeError> {
             continue;
         }
         let m = r.array_len()?;
-        let mut strings = Vec::with_capacity(m);
+        let mut strings = Vec::with_capacity(capacity_for::<String>(m, r.remaining(), 1));
         let mut opaque = false;
         for _ in 0..m {
             if r.peek_kind()? == Kind::Str {
@@ -383,7 +584,16 @@ fn extra_keys(r: &mut Reader) -> Result<Vec<ExtraKeys>, DecodeError> {
 mod tests {
     use super::*;
 
-    // Hand-assembled payloads; the real-encoder fixtures are tested in tests/events.rs.
+    // Hand-assembled payloads. Payloads from the engines' own encoders (msgspec, every
+    // form in sidecar/README.md's table) are tested against the real sidecar in
+    // tests/integration/test_sidecar.py.
+
+    fn stored(b: &Batch, i: usize) -> &BlockStored {
+        match &b.events[i] {
+            Event::Stored(s) => s,
+            e => panic!("{e:?}"),
+        }
+    }
 
     #[test]
     fn array_batch_with_tagged_array_events() {
@@ -401,10 +611,68 @@ mod tests {
         assert_eq!(b.ts, 1.5);
         assert_eq!(b.dp_rank, Some(3));
         assert_eq!(b.events.len(), 2);
-        let Event::Stored(s) = &b.events[0] else { panic!("{:?}", b.events[0]) };
+        let s = stored(&b, 0);
         assert_eq!((s.block_hashes.as_slice(), s.parent, s.token_ids.as_slice()), (&[7u64][..], None, &[1u32, 2][..]));
-        assert_eq!((s.block_size, s.medium, s.group_idx), (2, Medium::Gpu, 0));
+        assert_eq!((s.block_size, s.medium, s.group_idx, s.group_kind), (2, Medium::Gpu, 0, None));
         assert_eq!(b.events[1], Event::Cleared);
+    }
+
+    #[test]
+    fn sglang_positional_metadata_carries_the_salt_where_vllm_has_lora_name() {
+        // ["BlockStored", [7], nil, [1], 1, nil, "GPU", {"cache_salt": "s"}] and vLLM's
+        // ["BlockStored", [7], nil, [1], 1, nil, "GPU", "sql"].
+        let event = |last: &[u8]| {
+            let mut p = vec![0x92, 0x00, 0x91, 0x98, 0xab];
+            p.extend_from_slice(b"BlockStored");
+            p.extend_from_slice(&[0x91, 0x07, 0xc0, 0x91, 0x01, 0x01, 0xc0, 0xa3]);
+            p.extend_from_slice(b"GPU");
+            p.extend_from_slice(last);
+            decode_batch(&p).unwrap()
+        };
+        let mut meta = vec![0x81, 0xaa];
+        meta.extend_from_slice(b"cache_salt");
+        meta.extend_from_slice(&[0xa1, b's']);
+        let b = event(&meta);
+        assert_eq!((stored(&b, 0).cache_salt.as_deref(), stored(&b, 0).lora_name.as_deref()), (Some("s"), None));
+        let b = event(&[0xa3, b's', b'q', b'l']);
+        assert_eq!((stored(&b, 0).cache_salt.as_deref(), stored(&b, 0).lora_name.as_deref()), (None, Some("sql")));
+    }
+
+    #[test]
+    fn group_kinds_and_bigram_tokens() {
+        for (kind, want) in [
+            ("full_attention", GroupKind::Full),
+            ("mla_attention", GroupKind::Full),
+            ("sliding_window", GroupKind::NotFull),
+            ("mamba", GroupKind::NotFull),
+            ("cross_attention", GroupKind::NotFull),
+            ("unknown", GroupKind::Unknown),
+            ("hyperbolic_attention", GroupKind::Unknown),
+        ] {
+            assert_eq!(GroupKind::parse(kind), want, "{kind:?}");
+        }
+        // [[5, 6], [6, 7]] → tokens 5, 6 (the first of each pair)
+        let p = [0x92, 0x92, 0x05, 0x06, 0x92, 0x06, 0x07];
+        assert_eq!(token_list(&mut Reader::new(&p)).unwrap(), vec![5, 6]);
+        assert!(token_list(&mut Reader::new(&[0x91, 0x90])).is_err());
+    }
+
+    #[test]
+    fn unknown_event_types_are_counted_not_kept() {
+        // [0, [["Renamed"], {"type": "BlockPinned"}, ["AllBlocksCleared"]]]
+        let mut p = vec![0x92, 0x00, 0x93, 0x91, 0xa7];
+        p.extend_from_slice(b"Renamed");
+        p.extend_from_slice(&[0x81, 0xa4]);
+        p.extend_from_slice(b"type");
+        p.push(0xab);
+        p.extend_from_slice(b"BlockPinned");
+        p.extend_from_slice(&[0x91, 0xb0]);
+        p.extend_from_slice(b"AllBlocksCleared");
+        let b = decode_batch(&p).unwrap();
+        assert_eq!(
+            (b.events.as_slice(), b.unknown, b.first_unknown.as_deref()),
+            (&[Event::Cleared][..], 2, Some("Renamed"))
+        );
     }
 
     #[test]
@@ -416,6 +684,42 @@ mod tests {
         assert_eq!(hash(&mut Reader::new(&p)).unwrap(), 0x0102030405060708);
         // negative int hash → its bit pattern
         assert_eq!(hash(&mut Reader::new(&[0xff])).unwrap(), u64::MAX);
+    }
+
+    #[test]
+    fn a_map_batch_may_put_its_fields_around_the_events() {
+        // {"events": [["AllBlocksCleared"]], "ts": 2, "data_parallel_rank": 1}
+        let mut p = vec![0x83, 0xa6];
+        p.extend_from_slice(b"events");
+        p.extend_from_slice(&[0x91, 0x91, 0xb0]);
+        p.extend_from_slice(b"AllBlocksCleared");
+        p.extend_from_slice(&[0xa2, b't', b's', 0x02, 0xb2]);
+        p.extend_from_slice(b"data_parallel_rank");
+        p.push(0x01);
+        let b = decode_batch(&p).unwrap();
+        assert_eq!((b.ts, b.dp_rank, b.events.as_slice()), (2.0, Some(1), &[Event::Cleared][..]));
+        // Without `ts`, or with `events` twice: errors.
+        let mut no_ts = vec![0x81, 0xa6];
+        no_ts.extend_from_slice(b"events");
+        no_ts.push(0x90);
+        assert!(decode_batch(&no_ts).is_err());
+        let mut twice = vec![0x82, 0xa6];
+        twice.extend_from_slice(b"events");
+        twice.extend_from_slice(&[0x90, 0xa6]);
+        twice.extend_from_slice(b"events");
+        twice.push(0x90);
+        assert!(decode_batch(&twice).is_err());
+    }
+
+    #[test]
+    fn a_batch_is_read_event_by_event_and_an_error_found_where_it_is() {
+        // [0, [["AllBlocksCleared"], 7]]: the first event reads, the second does not.
+        let mut p = vec![0x92, 0x00, 0x92, 0x91, 0xb0];
+        p.extend_from_slice(b"AllBlocksCleared");
+        p.push(0x07);
+        let mut r = BatchReader::new(&p).unwrap();
+        assert_eq!(r.next_event().unwrap(), Some(Event::Cleared));
+        assert!(r.next_event().is_err());
     }
 
     #[test]

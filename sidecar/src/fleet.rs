@@ -5,7 +5,7 @@
 use crate::cache::{Change, Outcome, WorkerCache};
 use crate::changelog::ChangeLog;
 use crate::config::{Config, WorkerConfig};
-use crate::events::{Batch, Event};
+use crate::events::{Batch, BatchReader, DecodeError, Event, GroupKind};
 use bytes::Bytes;
 use kvroute::feed::{FeedBlock, FeedWorker, Frame, FrameKind, Op};
 use kvroute::layout::Role;
@@ -55,6 +55,8 @@ pub struct Stats {
     pub batches_bad: u64,
     /// ZMQ messages that were not `[topic, seq(8), payload]`.
     pub frames_bad: u64,
+    /// Stores of a KV-cache group whose kind this sidecar does not know (not indexed).
+    pub unknown_group_kinds: u64,
     pub gaps: u64,
     pub replays_ok: u64,
     pub replays_failed: u64,
@@ -150,50 +152,113 @@ impl Fleet {
         self.version_tx.subscribe()
     }
 
-    /// Applies one decoded batch from worker `w`, DP rank `rank`, sequence `seq`.
-    pub fn apply_batch(&mut self, w: usize, rank: usize, seq: u64, batch: &Batch, now: Instant, now_unix: f64) {
-        let Some(worker) = self.workers.get_mut(w) else { return };
-        self.stats.batches += 1;
-        if let Some(r) = worker.ranks.get_mut(rank) {
-            r.last_seq = Some(seq);
-            r.last_event_at = Some(now);
-            r.lag_ms = Some(((now_unix - batch.ts) * 1000.0).max(0.0));
-        }
-        let mut changed = false;
+    /// Applies one batch payload from worker `w`, DP rank `rank`, sequence `seq`, event by
+    /// event as it decodes. A payload that does not decode is an error once its first
+    /// events were applied (and logged): the caller clears the rank, as it must for any batch
+    /// it cannot read, which drops them with the rest.
+    pub fn apply_payload(
+        &mut self,
+        w: usize,
+        rank: usize,
+        seq: u64,
+        payload: &[u8],
+        now: Instant,
+        now_unix: f64,
+    ) -> Result<(), DecodeError> {
         let mut changes = std::mem::take(&mut self.changes);
-        for ev in &batch.events {
-            let (kind, outcome) = match ev {
-                Event::Stored(s) => {
-                    let o = worker.cache.apply_stored(rank, s, self.block_size, &mut changes);
-                    if o == Outcome::Applied {
-                        self.stats.blocks_stored += s.block_hashes.len() as u64;
-                    }
-                    (0, o)
-                }
-                Event::Removed(r) => {
-                    self.stats.blocks_removed += r.block_hashes.len() as u64;
-                    (1, worker.cache.apply_removed(rank, r, &mut changes))
-                }
-                Event::Cleared => {
-                    // What came before the clear is logged before it.
-                    changed |= Self::log_changes(&mut self.log, self.version + 1, w, &mut changes);
-                    changed |= Self::clear_into(&mut self.log, self.version + 1, w, worker, rank, &mut changes);
-                    (2, Outcome::Applied)
-                }
-                Event::Unknown(tag) => {
-                    log::debug!("worker {}: skipped unknown event type {tag:?}", worker.config.id);
-                    (3, Outcome::Malformed)
-                }
-            };
-            if let Some(i) = Outcome::ALL.iter().position(|o| *o == outcome) {
-                self.stats.events[kind][i] += 1;
+        let mut changed = false;
+        let read = BatchReader::new(payload).and_then(|mut reader| {
+            while let Some(ev) = reader.next_event()? {
+                changed |= self.apply_event(w, rank, &ev, &mut changes);
             }
-        }
+            reader.finish()
+        });
         changed |= Self::log_changes(&mut self.log, self.version + 1, w, &mut changes);
         self.changes = changes;
         if changed {
             self.bump();
         }
+        let tail = read?;
+        self.count_unknown(w, tail.unknown, tail.first_unknown.as_deref());
+        self.batch_done(w, rank, seq, tail.ts, now, now_unix);
+        Ok(())
+    }
+
+    /// Applies one decoded batch (as [`Fleet::apply_payload`] does its payload).
+    pub fn apply_batch(&mut self, w: usize, rank: usize, seq: u64, batch: &Batch, now: Instant, now_unix: f64) {
+        let mut changes = std::mem::take(&mut self.changes);
+        let mut changed = false;
+        for ev in &batch.events {
+            changed |= self.apply_event(w, rank, ev, &mut changes);
+        }
+        self.count_unknown(w, batch.unknown, batch.first_unknown.as_deref());
+        changed |= Self::log_changes(&mut self.log, self.version + 1, w, &mut changes);
+        self.changes = changes;
+        if changed {
+            self.bump();
+        }
+        self.batch_done(w, rank, seq, batch.ts, now, now_unix);
+    }
+
+    /// A whole batch was applied: counted, and the rank's last sequence and lag noted.
+    fn batch_done(&mut self, w: usize, rank: usize, seq: u64, ts: f64, now: Instant, now_unix: f64) {
+        let Some(worker) = self.workers.get_mut(w) else { return };
+        self.stats.batches += 1;
+        if let Some(r) = worker.ranks.get_mut(rank) {
+            r.last_seq = Some(seq);
+            r.last_event_at = Some(now);
+            r.lag_ms = Some(((now_unix - ts) * 1000.0).max(0.0));
+        }
+    }
+
+    fn count_unknown(&mut self, w: usize, unknown: u64, first: Option<&str>) {
+        if let (Some(tag), Some(worker)) = (first, self.workers.get(w)) {
+            log::debug!("worker {}: skipped {unknown} events of unknown types, first {tag:?}", worker.config.id);
+        }
+        if let Some(i) = Outcome::ALL.iter().position(|o| *o == Outcome::Malformed) {
+            self.stats.events[EVENT_TYPES.len() - 1][i] += unknown;
+        }
+    }
+
+    /// One event; true if it logged changes already (a clear logs what came before it).
+    fn apply_event(&mut self, w: usize, rank: usize, ev: &Event, changes: &mut Vec<Change>) -> bool {
+        let Some(worker) = self.workers.get_mut(w) else { return false };
+        let mut changed = false;
+        let (kind, outcome) = match ev {
+            Event::Stored(s) => {
+                if s.group_kind == Some(GroupKind::Unknown) {
+                    self.stats.unknown_group_kinds += 1;
+                    if self.stats.unknown_group_kinds.is_power_of_two() {
+                        log::warn!(
+                            "worker {}: KV-cache group {} has a kind this sidecar does not know; its blocks are \
+                             not indexed (#{})",
+                            worker.config.id,
+                            s.group_idx,
+                            self.stats.unknown_group_kinds
+                        );
+                    }
+                }
+                let o = worker.cache.apply_stored(rank, s, self.block_size, changes);
+                if o == Outcome::Applied {
+                    self.stats.blocks_stored += s.block_hashes.len() as u64;
+                }
+                (0, o)
+            }
+            Event::Removed(r) => {
+                self.stats.blocks_removed += r.block_hashes.len() as u64;
+                (1, worker.cache.apply_removed(rank, r, changes))
+            }
+            Event::Cleared => {
+                // What came before the clear is logged before it.
+                changed |= Self::log_changes(&mut self.log, self.version + 1, w, changes);
+                changed |= Self::clear_into(&mut self.log, self.version + 1, w, worker, rank, changes);
+                (2, Outcome::Applied)
+            }
+        };
+        if let Some(i) = Outcome::ALL.iter().position(|o| *o == outcome) {
+            self.stats.events[kind][i] += 1;
+        }
+        changed
     }
 
     /// Forgets what DP rank `rank` of worker `w` holds, to rebuild it from later events.
@@ -459,11 +524,13 @@ mod tests {
             lora_name: None,
             extra_keys: Vec::new(),
             group_idx: 0,
+            group_kind: None,
+            cache_salt: None,
         })
     }
 
     fn batch(events: Vec<Event>) -> Batch {
-        Batch { ts: 0.0, events, dp_rank: None }
+        Batch { ts: 0.0, events, dp_rank: None, unknown: 0, first_unknown: None }
     }
 
     fn frame(r: FeedReply) -> Frame {
@@ -553,6 +620,32 @@ mod tests {
         assert!(matches!(&d.ops[..], [Op::StoreOffloaded { blocks, .. }] if blocks.len() == 1));
         let d = frame(f.feed(42, 1, 0, false, true));
         assert!(matches!(&d.ops[..], [Op::Store { blocks, .. }] if blocks.len() == 1));
+    }
+
+    #[test]
+    fn a_payload_that_breaks_partway_is_an_error_after_its_first_events_are_logged() {
+        let mut f = fleet(1000);
+        let now = Instant::now();
+        // [0, [["BlockStored", [1], nil, [0..16], 16], "not an event"]]
+        let mut p = vec![0x92, 0x00, 0x92, 0x95, 0xab];
+        p.extend_from_slice(b"BlockStored");
+        p.extend_from_slice(&[0x91, 0x01, 0xc0, 0xdc, 0x00, 0x10]);
+        p.extend(0u8..16);
+        p.push(0x10);
+        p.extend_from_slice(&[0xa3, b'b', b'a', b'd']);
+        assert!(f.apply_payload(0, 0, 0, &p, now, 0.0).is_err());
+        // What the first event did is logged (the cache and the feed agree) but the batch
+        // is not counted; the caller then clears the rank.
+        assert_eq!((f.workers[0].cache.block_count(), f.version(), f.stats.batches), (1, 1, 0));
+        let d = frame(f.feed(42, 0, 0, true, true));
+        assert!(matches!(&d.ops[..], [Op::Store { worker: 0, blocks }] if blocks.len() == 1));
+        f.reset_rank(0, 0, ResetReason::UndecodableBatch);
+        assert_eq!(frame(f.feed(42, 1, 0, true, true)).ops, vec![Op::Clear { worker: 0 }]);
+        // A good payload is applied and counted.
+        p.truncate(p.len() - 4);
+        p[2] = 0x91;
+        f.apply_payload(1, 0, 0, &p, now, 0.0).unwrap();
+        assert_eq!((f.workers[1].cache.block_count(), f.stats.batches), (1, 1));
     }
 
     #[test]

@@ -3,8 +3,12 @@
 //!
 //! Wire format (vLLM and SGLang `ZmqEventPublisher`): multipart `[topic, seq (u64
 //! big-endian), msgpack payload]`, `seq` counting from 0 per publisher. Replay: a DEALER
-//! sends `[b"", start_seq]` to the publisher's ROUTER and receives `[b"", seq, payload]` for
-//! each buffered batch from `start_seq` on, then `[b"", 0xFF×8, b""]`.
+//! sends `[b"", start_seq]` to the publisher's ROUTER and receives, for each buffered batch
+//! from `start_seq` on, the live layout behind the envelope `[b"", topic, seq, payload]`
+//! (vLLM ≥ 0.26, SGLang ≥ 0.5.22) or, from older publishers, `[b"", seq, payload]`; then the
+//! end marker `[b"", b"", END, b""]` or `[b"", END, b""]`, END being -1 as 8 signed
+//! big-endian bytes. The layout is read off each message ([`replay_reply`]), so a publisher
+//! upgraded under a running sidecar is served too.
 //!
 //! Per stream, `expected` is the next sequence number:
 //! - `seq == expected`: apply.
@@ -19,7 +23,6 @@
 //! that does not decode is counted and clears the stream (what it changed is unknown).
 
 use crate::config::Config;
-use crate::events::decode_batch;
 use crate::fleet::{lock, Fleet, ResetReason};
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -173,7 +176,7 @@ impl Ingest {
                     return;
                 }
             };
-            let Some((seq, payload)) = envelope(msg, 3) else {
+            let Some((seq, payload)) = live_message(msg) else {
                 lock(&self.fleet).stats.frames_bad += 1;
                 if self.streams[i].should_log() {
                     log::warn!(
@@ -243,17 +246,13 @@ impl Ingest {
     fn apply(&mut self, i: usize, seq: u64, payload: &[u8]) {
         let s = &mut self.streams[i];
         s.expected = Some(seq.wrapping_add(1));
-        let (w, rank) = (s.worker, s.rank);
-        match decode_batch(payload) {
-            Ok(batch) => lock(&self.fleet).apply_batch(w, rank, seq, &batch, Instant::now(), unix_now()),
-            Err(e) => {
-                if s.should_log() {
-                    log::warn!("{}: batch {seq} does not decode ({e}); clearing (problem #{})", s.label, s.problems);
-                }
-                let mut f = lock(&self.fleet);
-                f.stats.batches_bad += 1;
-                f.reset_rank(w, rank, ResetReason::UndecodableBatch);
+        let mut f = lock(&self.fleet);
+        if let Err(e) = f.apply_payload(s.worker, s.rank, seq, payload, Instant::now(), unix_now()) {
+            if s.should_log() {
+                log::warn!("{}: batch {seq} does not decode ({e}); clearing (problem #{})", s.label, s.problems);
             }
+            f.stats.batches_bad += 1;
+            f.reset_rank(s.worker, s.rank, ResetReason::UndecodableBatch);
         }
     }
 
@@ -299,15 +298,24 @@ impl Ingest {
                     return;
                 }
             };
-            // [b"", seq, payload]
-            let Some((seq, payload)) = envelope(msg, 3) else {
-                lock(&self.fleet).stats.frames_bad += 1;
-                continue;
+            let (seq, payload) = match replay_reply(msg) {
+                Some(ReplayReply::Batch(seq, payload)) => (seq, payload),
+                Some(ReplayReply::End) => {
+                    self.finish_replay(i);
+                    return;
+                }
+                None => {
+                    lock(&self.fleet).stats.frames_bad += 1;
+                    if self.streams[i].should_log() {
+                        log::warn!(
+                            "{}: dropped a replay reply that is not [\"\", topic?, seq, payload] (problem #{})",
+                            self.streams[i].label,
+                            self.streams[i].problems
+                        );
+                    }
+                    continue;
+                }
             };
-            if seq.to_be_bytes() == END_OF_REPLAY {
-                self.finish_replay(i);
-                return;
-            }
             let expected = self.streams[i].expected.unwrap_or(0);
             if seq < expected {
                 continue; // already applied
@@ -369,12 +377,81 @@ impl Ingest {
     }
 }
 
-/// Splits `[prefix, seq (8 bytes BE), payload]` (the publisher's and the replay's shape).
-fn envelope(mut msg: Vec<Vec<u8>>, parts: usize) -> Option<(u64, Vec<u8>)> {
-    if msg.len() != parts {
+/// Splits a live message `[topic, seq (8 bytes BE), payload]`.
+fn live_message(mut msg: Vec<Vec<u8>>) -> Option<(u64, Vec<u8>)> {
+    if msg.len() != 3 {
         return None;
     }
     let payload = msg.pop()?;
     let seq: [u8; 8] = msg.pop()?.try_into().ok()?;
     Some((u64::from_be_bytes(seq), payload))
+}
+
+#[derive(Debug, PartialEq, Eq)]
+enum ReplayReply {
+    Batch(u64, Vec<u8>),
+    End,
+}
+
+/// Reads one message a replay DEALER received, in either layout (module docs): four frames
+/// carry the topic, three do not. None: neither.
+fn replay_reply(mut msg: Vec<Vec<u8>>) -> Option<ReplayReply> {
+    if !(msg.len() == 3 || msg.len() == 4) || !msg[0].is_empty() {
+        return None;
+    }
+    let payload = msg.pop()?;
+    let seq: [u8; 8] = msg.pop()?.try_into().ok()?;
+    if seq == END_OF_REPLAY {
+        return Some(ReplayReply::End);
+    }
+    Some(ReplayReply::Batch(u64::from_be_bytes(seq), payload))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn frames(parts: &[&[u8]]) -> Vec<Vec<u8>> {
+        parts.iter().map(|p| p.to_vec()).collect()
+    }
+
+    #[test]
+    fn replay_replies_in_both_layouts() {
+        let seq = 7u64.to_be_bytes();
+        // vLLM >= 0.26 / SGLang >= 0.5.22: the live layout behind the envelope.
+        assert_eq!(
+            replay_reply(frames(&[b"", b"kv@10.0.0.5", &seq, b"payload"])),
+            Some(ReplayReply::Batch(7, b"payload".to_vec()))
+        );
+        assert_eq!(replay_reply(frames(&[b"", b"", &seq, b"p"])), Some(ReplayReply::Batch(7, b"p".to_vec())));
+        assert_eq!(replay_reply(frames(&[b"", b"", &END_OF_REPLAY, b""])), Some(ReplayReply::End));
+        // Older publishers: no topic.
+        assert_eq!(replay_reply(frames(&[b"", &seq, b"payload"])), Some(ReplayReply::Batch(7, b"payload".to_vec())));
+        assert_eq!(replay_reply(frames(&[b"", &END_OF_REPLAY, b""])), Some(ReplayReply::End));
+        // END is -1 as 8 signed big-endian bytes.
+        assert_eq!((-1i64).to_be_bytes(), END_OF_REPLAY);
+    }
+
+    #[test]
+    fn malformed_replay_replies_are_refused() {
+        let seq = 7u64.to_be_bytes();
+        for msg in [
+            frames(&[]),
+            frames(&[b""]),
+            frames(&[b"", &seq]),
+            frames(&[b"x", &seq, b"p"]),       // no envelope delimiter
+            frames(&[b"", b"\x00\x01", b"p"]), // seq not 8 bytes
+            frames(&[b"", b"t", b"\x00\x01", b"p"]),
+            frames(&[b"", b"t", b"u", &seq, b"p"]), // five frames
+        ] {
+            assert_eq!(replay_reply(msg.clone()), None, "{msg:?}");
+        }
+    }
+
+    #[test]
+    fn live_messages_are_three_frames_with_an_8_byte_seq() {
+        assert_eq!(live_message(frames(&[b"", &3u64.to_be_bytes(), b"p"])), Some((3, b"p".to_vec())));
+        assert_eq!(live_message(frames(&[b"", b"short", b"p"])), None);
+        assert_eq!(live_message(frames(&[b"", &3u64.to_be_bytes(), b"p", b"q"])), None);
+    }
 }

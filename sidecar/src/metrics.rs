@@ -27,7 +27,7 @@ pub fn render(f: &Fleet, now: Instant, started: Instant) -> String {
             );
         }
     }
-    let counters: [(&str, &str, u64); 9] = [
+    let counters: [(&str, &str, u64); 10] = [
         ("kvroute_sidecar_batches_total", "Event batches decoded and applied.", s.batches),
         (
             "kvroute_sidecar_batches_bad_total",
@@ -38,6 +38,11 @@ pub fn render(f: &Fleet, now: Instant, started: Instant) -> String {
             "kvroute_sidecar_frames_bad_total",
             "ZMQ messages that were not [topic, seq, payload]; dropped.",
             s.frames_bad,
+        ),
+        (
+            "kvroute_sidecar_unknown_group_kinds_total",
+            "Stores of a KV-cache group of a kind this sidecar does not know; not indexed.",
+            s.unknown_group_kinds,
         ),
         ("kvroute_sidecar_blocks_stored_total", "Engine blocks stored by applied BlockStored events.", s.blocks_stored),
         ("kvroute_sidecar_blocks_removed_total", "Engine blocks named by BlockRemoved events.", s.blocks_removed),

@@ -53,7 +53,7 @@ impl<'a> Reader<'a> {
         Err(MsgpackError { at: self.pos, what })
     }
 
-    fn remaining(&self) -> usize {
+    pub fn remaining(&self) -> usize {
         self.buf.len() - self.pos
     }
 
@@ -190,6 +190,17 @@ impl<'a> Reader<'a> {
         let at = self.pos;
         let v = self.int()?;
         u32::try_from(v).map_err(|_| MsgpackError { at, what: "integer out of u32 range" })
+    }
+
+    /// The next value as a `u32` if it is an integer (an error if out of range), or `None`
+    /// with nothing read if it is not: one look at the marker, for values that are nearly
+    /// always integers.
+    pub fn u32_if_int(&mut self) -> Result<Option<u32>> {
+        match self.buf.get(self.pos) {
+            None => self.err("truncated"),
+            Some(0x00..=0x7f | 0xcc..=0xd3 | 0xe0..=0xff) => self.u32().map(Some),
+            Some(_) => Ok(None),
+        }
     }
 
     /// A float or an integer, as f64 (timestamps).
