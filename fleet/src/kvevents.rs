@@ -1,8 +1,10 @@
-//! KV events on the wire exactly as vLLM (≥ 0.11) publishes them: a msgspec-encoded
-//! `KVEventBatch` map `{ts, events, data_parallel_rank}` whose events are maps tagged
-//! `type`, sent from a ZMQ PUB socket as `[topic, seq (u64 big-endian), payload]`, with
-//! the last `buffer_steps` batches kept for a ROUTER replay socket (a DEALER sends
-//! `[b"", start_seq]`; it gets `[b"", seq, payload]` per batch, then `[b"", 0xFF×8, b""]`).
+//! KV events on the wire byte for byte as vLLM 0.33 publishes them (checked against vLLM's
+//! own classes by `tests/integration/test_wire_forms.py`): a msgspec-encoded `KVEventBatch`
+//! `[ts, events, data_parallel_rank]` whose events are maps tagged `type`, sent from a ZMQ
+//! PUB socket as `[topic, seq (u64 big-endian), payload]`, with the last `buffer_steps`
+//! batches kept for a ROUTER replay socket (a DEALER sends `[b"", start_seq]`; it gets
+//! `[b"", topic, seq, payload]` per batch, then `[b"", b"", END, b""]`, END = -1 as 8
+//! signed big-endian bytes). [`WireForm`] selects an older release's form instead.
 //!
 //! Configured by vLLM's own `--kv-events-config` JSON keys.
 
@@ -56,7 +58,117 @@ impl KvEventsConfig {
 }
 
 // ---------------------------------------------------------------------------------------
-// msgpack, as msgspec writes it (smallest integer form, float64, str8/16/32)
+// The wire forms
+
+/// What the mock publishes: vLLM's wire form of one release line. Each is the encoding that
+/// release's `vllm/distributed/kv_events.py` gives this engine's events (read from the
+/// wheels; `sidecar/README.md`, "Compatibility", has the whole table).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum WireForm {
+    /// vLLM 0.33 (the default): events are maps tagged `type` with defaults omitted; a
+    /// replay reply carries the topic frame (PR #45177).
+    #[value(name = "vllm-0.33")]
+    Vllm033,
+    /// vLLM 0.26–0.32: as 0.33, but `BlockStored` has fewer than 15 fields, so msgspec
+    /// writes its map header in one byte.
+    #[value(name = "vllm-0.26")]
+    Vllm026,
+    /// vLLM 0.24–0.25: tagged-map events (PR #42892); replay replies without the topic.
+    #[value(name = "vllm-0.24")]
+    Vllm024,
+    /// vLLM 0.22–0.23: positional events ending in the group's spec kind and window.
+    #[value(name = "vllm-0.22")]
+    Vllm022,
+    /// vLLM 0.20–0.21: positional events ending in `extra_keys`, `group_idx`.
+    #[value(name = "vllm-0.20")]
+    Vllm020,
+    /// vLLM 0.14–0.16: positional events ending in `medium`, `lora_name`.
+    #[value(name = "vllm-0.14")]
+    Vllm014,
+    /// vLLM 0.10.2–0.13: positional events ending in `medium`.
+    #[value(name = "vllm-0.10.2")]
+    Vllm0102,
+    /// vLLM 0.9.2–0.10.1: positional events without `medium`.
+    #[value(name = "vllm-0.9.2")]
+    Vllm092,
+    /// vLLM 0.9.0–0.9.1: and the batch without the DP rank.
+    #[value(name = "vllm-0.9.0")]
+    Vllm090,
+}
+
+impl WireForm {
+    /// Events as maps (else positional arrays after the tag).
+    fn map_events(self) -> bool {
+        matches!(self, WireForm::Vllm033 | WireForm::Vllm026 | WireForm::Vllm024)
+    }
+
+    /// How many of [`STORED`] and of [`REMOVED`] this form has.
+    fn fields(self) -> (usize, usize) {
+        match self {
+            WireForm::Vllm033 | WireForm::Vllm026 | WireForm::Vllm024 | WireForm::Vllm022 => (11, 3),
+            WireForm::Vllm020 => (9, 3),
+            WireForm::Vllm014 => (7, 2),
+            WireForm::Vllm0102 => (6, 2),
+            WireForm::Vllm092 | WireForm::Vllm090 => (5, 1),
+        }
+    }
+
+    /// Fields the release's `BlockStored` declares in all (those past [`STORED`] are
+    /// never set here): msgspec sizes a struct's map header by them.
+    fn stored_struct_fields(self) -> usize {
+        match self {
+            WireForm::Vllm033 => 15,
+            _ => 14, // at most: 0.30–0.32 have 14, 0.26–0.29 12–13, 0.24 11
+        }
+    }
+
+    /// A replay reply has the live layout `[topic, seq, payload]` behind the envelope.
+    pub fn replay_with_topic(self) -> bool {
+        matches!(self, WireForm::Vllm033 | WireForm::Vllm026)
+    }
+}
+
+/// One field's value, as far as this engine's events go.
+#[derive(Clone, Copy)]
+enum Value<'a> {
+    /// A required field's `None`: always written.
+    Nil,
+    /// A defaulted field left at its default `None`: omitted from maps.
+    Default,
+    Uint(u64),
+    Str(&'a str),
+    Hashes(&'a [u64]),
+    Tokens(&'a [u32]),
+    /// `[nil] × n`: vLLM's `extra_keys` for blocks with none.
+    Nils(usize),
+}
+
+impl Value<'_> {
+    fn is_default(self) -> bool {
+        matches!(self, Value::Default)
+    }
+}
+
+/// `BlockStored`'s fields in vLLM's order (later releases only ever appended); those after
+/// `lora_name` have the default `None`.
+const STORED: [&str; 11] = [
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+    "lora_name",
+    "extra_keys",
+    "group_idx",
+    "kv_cache_spec_kind",
+    "kv_cache_spec_sliding_window",
+];
+const REMOVED: [&str; 3] = ["block_hashes", "medium", "group_idx"];
+/// `BlockRemoved` declares at most 5 fields (0.29+): its map header is always one byte.
+const REMOVED_STRUCT_FIELDS: usize = 5;
+
+// msgpack as msgspec writes it: the smallest integer and string forms, float64.
 
 fn uint(out: &mut Vec<u8>, v: u64) {
     match v {
@@ -116,73 +228,90 @@ fn map(out: &mut Vec<u8>, n: usize) {
     header(out, n, 0x80, 0xde, 0xdf);
 }
 
-fn uints(out: &mut Vec<u8>, vs: impl ExactSizeIterator<Item = u64>) {
-    array(out, vs.len());
-    for v in vs {
-        uint(out, v);
+fn value(out: &mut Vec<u8>, v: Value) {
+    match v {
+        Value::Nil | Value::Default => out.push(0xc0),
+        Value::Uint(u) => uint(out, u),
+        Value::Str(s) => str(out, s),
+        Value::Hashes(hs) => {
+            array(out, hs.len());
+            hs.iter().for_each(|h| uint(out, *h));
+        }
+        Value::Tokens(ts) => {
+            array(out, ts.len());
+            ts.iter().for_each(|t| uint(out, u64::from(*t)));
+        }
+        Value::Nils(n) => {
+            array(out, n);
+            out.extend(std::iter::repeat_n(0xc0, n));
+        }
     }
 }
 
-/// One `KVEventBatch` payload.
-pub fn encode_batch(ts: f64, events: &[KvEvent], dp_rank: u32) -> Vec<u8> {
+/// One tagged event as msgspec encodes a `tag=True, omit_defaults=True` struct: a map
+/// `{type, fields…}` without the defaulted fields left at their default, its header one
+/// byte only if the struct could never have more than 15 entries (`struct_fields` + the
+/// tag); or, `array_like`, `[tag, fields…]` with every field (msgspec omits nothing there).
+fn event(out: &mut Vec<u8>, form: WireForm, tag: &str, names: &[&str], values: &[Value], struct_fields: usize) {
+    if form.map_events() {
+        let kept: Vec<usize> = (0..values.len()).filter(|&i| !values[i].is_default()).collect();
+        if struct_fields + 1 > 15 {
+            out.push(0xde);
+            out.extend_from_slice(&(kept.len() as u16 + 1).to_be_bytes());
+        } else {
+            map(out, kept.len() + 1);
+        }
+        str(out, "type");
+        str(out, tag);
+        for i in kept {
+            str(out, names[i]);
+            value(out, values[i]);
+        }
+    } else {
+        array(out, values.len() + 1);
+        str(out, tag);
+        values.iter().for_each(|v| value(out, *v));
+    }
+}
+
+/// One `KVEventBatch` payload: `[ts, events, data_parallel_rank]` (vLLM's `EventBatch` is
+/// `array_like`; its publisher always fills in the rank).
+pub fn encode_batch(form: WireForm, ts: f64, events: &[KvEvent], dp_rank: u32) -> Vec<u8> {
+    let (n_stored, n_removed) = form.fields();
     let mut out = Vec::with_capacity(64 + events.len() * 128);
-    map(&mut out, 3);
-    str(&mut out, "ts");
+    array(&mut out, if form == WireForm::Vllm090 { 2 } else { 3 });
     out.push(0xcb);
     out.extend_from_slice(&ts.to_bits().to_be_bytes());
-    str(&mut out, "events");
     array(&mut out, events.len());
     for e in events {
         match e {
             KvEvent::Stored { hashes, parent, token_ids } => {
-                map(&mut out, 11);
-                str(&mut out, "type");
-                str(&mut out, "BlockStored");
-                str(&mut out, "block_hashes");
-                uints(&mut out, hashes.iter().copied());
-                str(&mut out, "parent_block_hash");
-                match parent {
-                    Some(p) => uint(&mut out, *p),
-                    None => out.push(0xc0),
-                }
-                str(&mut out, "token_ids");
-                uints(&mut out, token_ids.iter().map(|t| u64::from(*t)));
-                str(&mut out, "block_size");
                 let bs = token_ids.len().checked_div(hashes.len()).unwrap_or(0);
-                uint(&mut out, bs as u64);
-                str(&mut out, "lora_id");
-                out.push(0xc0);
-                str(&mut out, "medium");
-                str(&mut out, "GPU");
-                str(&mut out, "lora_name");
-                out.push(0xc0);
-                str(&mut out, "group_idx");
-                uint(&mut out, 0);
-                str(&mut out, "kv_cache_spec_kind");
-                str(&mut out, "full_attention");
-                str(&mut out, "kv_cache_spec_sliding_window");
-                out.push(0xc0);
+                let values = [
+                    Value::Hashes(hashes),
+                    parent.map_or(Value::Nil, Value::Uint),
+                    Value::Tokens(token_ids),
+                    Value::Uint(bs as u64),
+                    Value::Nil, // lora_id
+                    Value::Str("GPU"),
+                    Value::Nil, // lora_name
+                    Value::Nils(hashes.len()),
+                    Value::Uint(0),
+                    Value::Str("full_attention"),
+                    Value::Default, // sliding window
+                ];
+                event(&mut out, form, "BlockStored", &STORED, &values[..n_stored], form.stored_struct_fields());
             }
             KvEvent::Removed { hashes } => {
-                map(&mut out, 4);
-                str(&mut out, "type");
-                str(&mut out, "BlockRemoved");
-                str(&mut out, "block_hashes");
-                uints(&mut out, hashes.iter().copied());
-                str(&mut out, "medium");
-                str(&mut out, "GPU");
-                str(&mut out, "group_idx");
-                uint(&mut out, 0);
+                let values = [Value::Hashes(hashes), Value::Str("GPU"), Value::Uint(0)];
+                event(&mut out, form, "BlockRemoved", &REMOVED, &values[..n_removed], REMOVED_STRUCT_FIELDS);
             }
-            KvEvent::Cleared => {
-                map(&mut out, 1);
-                str(&mut out, "type");
-                str(&mut out, "AllBlocksCleared");
-            }
+            KvEvent::Cleared => event(&mut out, form, "AllBlocksCleared", &[], &[], 0),
         }
     }
-    str(&mut out, "data_parallel_rank");
-    uint(&mut out, u64::from(dp_rank));
+    if form != WireForm::Vllm090 {
+        uint(&mut out, u64::from(dp_rank));
+    }
     out
 }
 
@@ -211,7 +340,7 @@ fn open(sock: &zmq::Socket, endpoint: &str) -> zmq::Result<()> {
 }
 
 impl Publisher {
-    pub fn start(cfg: &KvEventsConfig) -> Result<Publisher, String> {
+    pub fn start(cfg: &KvEventsConfig, form: WireForm) -> Result<Publisher, String> {
         let ctx = zmq::Context::new();
         let pub_sock = ctx.socket(zmq::PUB).map_err(|e| format!("zmq: {e}"))?;
         pub_sock.set_sndhwm(cfg.hwm).map_err(|e| format!("zmq hwm: {e}"))?;
@@ -221,6 +350,10 @@ impl Publisher {
             Some(ep) => {
                 let r = ctx.socket(zmq::ROUTER).map_err(|e| format!("zmq: {e}"))?;
                 r.set_linger(0).map_err(|e| format!("zmq linger: {e}"))?;
+                // As vLLM >= 0.26: room for a whole replay and its end marker, which a ROUTER
+                // would otherwise drop past the default high-water mark.
+                let hwm = i32::try_from(2 * (cfg.buffer_steps.max(1) + 1)).unwrap_or(i32::MAX);
+                r.set_sndhwm(hwm).map_err(|e| format!("zmq hwm: {e}"))?;
                 r.bind(ep).map_err(|e| format!("kv events replay endpoint {ep}: {e}"))?;
                 Some(r)
             }
@@ -238,7 +371,7 @@ impl Publisher {
                 loop {
                     if let Some(r) = &replay {
                         while r.poll(zmq::POLLIN, 0).unwrap_or(0) > 0 {
-                            serve_replay(r, &buffer);
+                            serve_replay(r, &buffer, form.replay_with_topic().then_some(topic.as_slice()));
                         }
                     }
                     match rx.recv_timeout(Duration::from_millis(10)) {
@@ -280,18 +413,26 @@ impl Drop for Publisher {
     }
 }
 
-fn serve_replay(r: &zmq::Socket, buffer: &VecDeque<(u64, Vec<u8>)>) {
+/// Answers one replay request; `topic`: the reply has the live layout (vLLM >= 0.26).
+fn serve_replay(r: &zmq::Socket, buffer: &VecDeque<(u64, Vec<u8>)>, topic: Option<&[u8]>) {
     let Ok(frames) = r.recv_multipart(zmq::DONTWAIT) else { return };
     // [client identity, b"", start_seq]
     let [client, _, start] = frames.as_slice() else { return };
     let Ok(start) = <[u8; 8]>::try_from(start.as_slice()) else { return };
     let start = u64::from_be_bytes(start);
+    let send = |seq: &[u8], payload: &[u8], topic_frame: &[u8]| {
+        let sent = match topic {
+            Some(_) => r.send_multipart([&client[..], b"", topic_frame, seq, payload], 0),
+            None => r.send_multipart([&client[..], b"", seq, payload], 0),
+        };
+        if let Err(e) = sent {
+            log::warn!("kv events: replay send failed: {e}");
+        }
+    };
     for (seq, payload) in buffer.iter().filter(|(s, _)| *s >= start) {
-        let parts: [&[u8]; 4] = [client, b"", &seq.to_be_bytes(), payload];
-        let _ = r.send_multipart(parts, 0);
+        send(&seq.to_be_bytes(), payload, topic.unwrap_or_default());
     }
-    let parts: [&[u8]; 4] = [client, b"", &END_SEQ, b""];
-    let _ = r.send_multipart(parts, 0);
+    send(&END_SEQ, b"", b"");
 }
 
 #[cfg(test)]
@@ -300,23 +441,53 @@ mod tests {
     use kvroute_sidecar::events::{decode_batch, Event, Medium};
 
     #[test]
-    fn batches_decode_with_the_sidecars_decoder() {
+    fn every_form_decodes_with_the_sidecars_decoder() {
+        use clap::ValueEnum;
         let events = vec![
             KvEvent::Stored { hashes: vec![u64::MAX, 7], parent: Some(300), token_ids: (0..32).collect() },
             KvEvent::Removed { hashes: vec![1, 70_000, 5_000_000_000] },
             KvEvent::Cleared,
         ];
-        let b = decode_batch(&encode_batch(1700000000.25, &events, 3)).unwrap();
-        assert_eq!((b.ts, b.dp_rank), (1700000000.25, Some(3)));
-        let Event::Stored(s) = &b.events[0] else { panic!() };
-        assert_eq!(
-            (s.block_hashes.clone(), s.parent, s.block_size, s.medium),
-            (vec![u64::MAX, 7], Some(300), 16, Medium::Gpu)
-        );
-        assert_eq!(s.token_ids, (0..32).collect::<Vec<u32>>());
-        let Event::Removed(r) = &b.events[1] else { panic!() };
-        assert_eq!(r.block_hashes, vec![1, 70_000, 5_000_000_000]);
-        assert_eq!(b.events[2], Event::Cleared);
+        for form in WireForm::value_variants() {
+            let b = decode_batch(&encode_batch(*form, 1700000000.25, &events, 3)).unwrap();
+            let rank = if *form == WireForm::Vllm090 { None } else { Some(3) };
+            assert_eq!((b.ts, b.dp_rank), (1700000000.25, rank), "{form:?}");
+            let Event::Stored(s) = &b.events[0] else { panic!() };
+            assert_eq!(
+                (s.block_hashes.clone(), s.parent, s.block_size, s.medium),
+                (vec![u64::MAX, 7], Some(300), 16, Medium::Gpu)
+            );
+            assert_eq!(s.token_ids, (0..32).collect::<Vec<u32>>());
+            let Event::Removed(r) = &b.events[1] else { panic!() };
+            assert_eq!(r.block_hashes, vec![1, 70_000, 5_000_000_000]);
+            assert_eq!(b.events[2], Event::Cleared);
+        }
+    }
+
+    #[test]
+    fn layouts_follow_msgspec() {
+        // (The bytes are checked against vLLM's own classes in tests/integration.)
+        let one = [KvEvent::Stored { hashes: vec![5], parent: None, token_ids: vec![1] }];
+        // 0.33: BlockStored declares 15 fields, so its map header is map16 whatever is set;
+        // the window (a default None) is left out.
+        let v033 = encode_batch(WireForm::Vllm033, 0.0, &one, 0);
+        assert_eq!(v033[..2], [0x93, 0xcb]);
+        assert_eq!(v033[10..14], [0x91, 0xde, 0x00, 0x0b]); // one event: type + 10 fields
+        let tail: &[u8] = b"\xb2kv_cache_spec_kind\xaefull_attention\x00";
+        assert!(v033.ends_with(tail));
+        assert!(!v033.windows(12).any(|w| w == b"sliding_wind"));
+        let v026 = encode_batch(WireForm::Vllm026, 0.0, &one, 0);
+        assert_eq!(v026[10..12], [0x91, 0x8b]);
+        assert_eq!(v026[12..], v033[14..]);
+        // Positional forms write every field, defaults included.
+        let v022 = encode_batch(WireForm::Vllm022, 0.0, &one, 0);
+        assert_eq!(v022[10..12], [0x91, 0x9c]); // [tag, 11 fields]
+        assert!(v022.ends_with(b"\xaefull_attention\xc0\x00"));
+        let v020 = encode_batch(WireForm::Vllm020, 0.0, &one, 0);
+        assert_eq!(v020[10..12], [0x91, 0x9a]); // [tag, 9 fields]
+        assert!(v020.ends_with(&[0xa3, b'G', b'P', b'U', 0xc0, 0x91, 0xc0, 0x00, 0x00]));
+        let v090 = encode_batch(WireForm::Vllm090, 0.0, &one, 0);
+        assert_eq!((v090[0], v090[10], v090[11]), (0x92, 0x91, 0x96)); // no rank; [tag, 5 fields]
     }
 
     #[test]

@@ -5,7 +5,7 @@
 
 use crate::engine::{Engine, Output, Request, Timing};
 use crate::kvcache::KvCache;
-use crate::kvevents::{encode_batch, KvEventsConfig, Publisher};
+use crate::kvevents::{encode_batch, KvEventsConfig, Publisher, WireForm};
 use crate::tokenizer;
 use bytes::Bytes;
 use http_body_util::{combinators::BoxBody, BodyExt, Full};
@@ -42,6 +42,10 @@ pub struct WorkerArgs {
     /// '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}'.
     #[arg(long)]
     pub kv_events_config: Option<String>,
+    /// The KV-event wire form: vLLM 0.33's by default, or an older release's (events,
+    /// batch and replay replies as that release sends them).
+    #[arg(long, value_enum, default_value = "vllm-0.33")]
+    pub kv_events_wire: WireForm,
     /// Data-parallel rank reported in event batches.
     #[arg(long, default_value_t = 0)]
     pub data_parallel_rank: u32,
@@ -121,7 +125,7 @@ impl Shared {
     fn publish(&self, events: &[crate::kvcache::KvEvent]) {
         let (Some(p), false) = (&self.publisher, events.is_empty()) else { return };
         let ts = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0);
-        if !p.publish(encode_batch(ts, events, self.args.data_parallel_rank)) {
+        if !p.publish(encode_batch(self.args.kv_events_wire, ts, events, self.args.data_parallel_rank)) {
             log::warn!("kv events queue full: a batch was dropped");
         }
     }
@@ -134,7 +138,7 @@ pub async fn run(args: WorkerArgs) -> Result<(), String> {
         Some(j) => KvEventsConfig::from_json(j)?,
         None => KvEventsConfig::default(),
     };
-    let publisher = if events.enabled() { Some(Publisher::start(&events)?) } else { None };
+    let publisher = if events.enabled() { Some(Publisher::start(&events, args.kv_events_wire)?) } else { None };
     let addr: SocketAddr = format!("{}:{}", args.host, args.port)
         .parse()
         .map_err(|_| format!("bad --host/--port {}:{}", args.host, args.port))?;
