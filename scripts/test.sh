@@ -6,8 +6,9 @@
 #   3. the release builds: kvroute.wasm and kvroute-sidecar (libzmq is vendored: no system
 #      package needed),
 #   4. integration tests: the filter in a real Envoy; the sidecar against publishers using
-#      the engines' own encoder (msgspec) and ZMQ binding (pyzmq); the simulated fleet's
-#      mock engines; all of them together end to end.
+#      the engines' own encoder (msgspec) and ZMQ binding (pyzmq), and vLLM's and SGLang's
+#      own KV-event code from their wheels; the simulated fleet's mock engines; all of them
+#      together end to end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -22,6 +23,13 @@ if ! command -v node >/dev/null; then
   apt-get update -qq && apt-get install -y -qq nodejs
 fi
 python3 -m pip install --quiet --disable-pip-version-check -r tests/requirements.txt
+# The engines' own KV-event code, imported from their wheels by tests/integration/engine_wheels.py
+# (downloaded, not installed: their packages import torch).
+for wheel in vllm==0.33.0 sglang==0.5.23; do
+  if ! ls target/wheels/"${wheel%%==*}-${wheel##*==}"-*.whl >/dev/null 2>&1; then
+    python3 -m pip download --quiet --disable-pip-version-check --no-deps -d target/wheels "$wheel"
+  fi
+done
 # The wasm test runner must match the wasm-bindgen version in Cargo.lock exactly.
 wbg_version=$(awk '/^name = "wasm-bindgen"$/ {getline; gsub(/"/, "", $3); print $3}' Cargo.lock)
 if [ "$(wasm-bindgen-test-runner --version 2>/dev/null | awk '{print $2}')" != "$wbg_version" ]; then

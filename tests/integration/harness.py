@@ -7,6 +7,7 @@ import json
 import os
 import pathlib
 import re
+import resource
 import shutil
 import socket
 import subprocess
@@ -274,7 +275,7 @@ class Sidecar:
     """The real kvroute-sidecar binary with a generated TOML config.
     workers: [(id, events_endpoint, replay_endpoint or None, role[, dp_ranks])]."""
 
-    def __init__(self, workers, block_size=16, port=None, extra=None, args=(), wait=True):
+    def __init__(self, workers, block_size=16, port=None, extra=None, args=(), wait=True, address_space=None):
         if not SIDECAR.exists():
             raise RuntimeError(f"{SIDECAR} missing: build it with `cargo build --release -p kvroute-sidecar`")
         self.port = port or free_port()
@@ -294,9 +295,13 @@ class Sidecar:
         pathlib.Path(self.config_path).write_text("\n".join(lines) + "\n")
         self.log_path = os.path.join(self.dir, "sidecar.log")
         self.log = open(self.log_path, "w")
+        # address_space: bytes of virtual memory the process may map (RLIMIT_AS), as under a
+        # container's memory limit; past it an allocation fails and the process aborts.
+        limit = (lambda: resource.setrlimit(resource.RLIMIT_AS, (address_space, address_space))) \
+            if address_space else None
         self.proc = subprocess.Popen([str(SIDECAR), "--config", self.config_path, *args],
                                      stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT,
-                                     env={**os.environ, "RUST_LOG": "info"})
+                                     env={**os.environ, "RUST_LOG": "info"}, preexec_fn=limit)
         if wait:
             ready_or_stop(self, self._wait_ready)
 
@@ -342,7 +347,7 @@ class MockEngine:
     """A kvroute-fleet mock engine (vLLM's API, prefix cache and KV events).
     events/replay: ZMQ endpoints to publish on (None: no events)."""
 
-    def __init__(self, events=None, replay=None, args=(), port=None):
+    def __init__(self, events=None, replay=None, args=(), port=None, topic=None):
         if not FLEET.exists():
             raise RuntimeError(f"{FLEET} missing: build it with `cargo build --release -p kvroute-fleet`")
         self.port = port or free_port()
@@ -353,6 +358,8 @@ class MockEngine:
             cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events}
             if replay:
                 cfg["replay_endpoint"] = replay
+            if topic is not None:
+                cfg["topic"] = topic
             cmd += ["--kv-events-config", json.dumps(cfg)]
         self.dir = tempfile.mkdtemp(prefix="kvroute-engine-")
         self.log_path = os.path.join(self.dir, "engine.log")

@@ -10,8 +10,8 @@ import msgspec
 import pytest
 import zmq
 
+import engine_wheels
 from harness import Envoy, MockEngine, Sidecar, free_port, render_config, wait_for, wait_synced
-from kvevents import VAllBlocksCleared, VBlockRemoved, VBlockStored, VKVEventBatch
 
 
 def tokens(prefix, n):
@@ -19,13 +19,13 @@ def tokens(prefix, n):
 
 
 class Subscriber:
-    """A SUB socket decoding with vLLM's struct definitions (msgspec, strict types)."""
+    """A SUB socket decoding with vLLM 0.33's own classes (msgspec, strict types)."""
 
     def __init__(self, endpoint):
         self.sock = zmq.Context.instance().socket(zmq.SUB)
         self.sock.setsockopt(zmq.SUBSCRIBE, b"")
         self.sock.connect(endpoint)
-        self.decoder = msgspec.msgpack.Decoder(VKVEventBatch)
+        self.decoder = msgspec.msgpack.Decoder(engine_wheels.vllm_kv_events().KVEventBatch)
         time.sleep(0.3)  # the subscription reaches the publisher
 
     def next(self, timeout_ms=5000):
@@ -55,6 +55,7 @@ def engine():
 
 
 def test_kv_events_decode_with_vllms_own_structs(engine):
+    kv = engine_wheels.vllm_kv_events()
     e = engine(args=["--num-gpu-blocks", "10", "--speedup", "50"])
     sub = Subscriber(e.sub_endpoint)
     try:
@@ -63,7 +64,7 @@ def test_kv_events_decode_with_vllms_own_structs(engine):
         seq, batch = sub.next()
         assert seq == 0 and batch.data_parallel_rank == 0 and batch.ts > 1e9
         [stored] = batch.events
-        assert isinstance(stored, VBlockStored)
+        assert isinstance(stored, kv.BlockStored)
         assert (stored.parent_block_hash, stored.block_size, stored.medium) == (None, 16, "GPU")
         assert len(stored.block_hashes) == 6 and stored.token_ids == a[:96]
         assert all(isinstance(h, int) for h in stored.block_hashes)
@@ -72,7 +73,7 @@ def test_kv_events_decode_with_vllms_own_structs(engine):
         b = tokens(2, 100)
         e.complete(b, max_tokens=2)
         _, batch = sub.next()  # one scheduler step: the evictions, then the new blocks
-        assert [type(ev) for ev in batch.events] == [VBlockRemoved, VBlockStored]
+        assert [type(ev) for ev in batch.events] == [kv.BlockRemoved, kv.BlockStored]
         assert batch.events[0].block_hashes == stored.block_hashes[:2:-1]
 
         # reset_prefix_cache with nothing running: AllBlocksCleared.
@@ -80,19 +81,21 @@ def test_kv_events_decode_with_vllms_own_structs(engine):
         conn.request("POST", "/reset_prefix_cache")
         assert conn.getresponse().status == 200
         _, batch = sub.next()
-        assert [type(ev) for ev in batch.events] == [VAllBlocksCleared]
+        assert [type(ev) for ev in batch.events] == [kv.AllBlocksCleared]
 
-        # The replay socket, spoken to as vLLM's protocol says.
+        # The replay socket, spoken to as vLLM's protocol says: each reply the live layout
+        # [topic, seq, payload] behind the envelope, then [b"", b"", END, b""].
         dealer = zmq.Context.instance().socket(zmq.DEALER)
         dealer.connect(e.replay_connect)
         dealer.send_multipart([b"", (0).to_bytes(8, "big")])
         seqs = []
         while True:
             assert dealer.poll(5000)
-            _, s, payload = dealer.recv_multipart()
+            _, topic, s, payload = dealer.recv_multipart()
             if s == b"\xff" * 8:
+                assert (topic, payload) == (b"", b"")
                 break
-            msgspec.msgpack.Decoder(VKVEventBatch).decode(payload)
+            sub.decoder.decode(payload)
             seqs.append(int.from_bytes(s, "big"))
         dealer.close(linger=0)
         assert seqs == list(range(len(seqs))) and len(seqs) >= 3

@@ -1,14 +1,19 @@
 """kvroute-sidecar against publishers that speak exactly as vLLM and SGLang do (their msgspec
-structs, pyzmq PUB + replay ROUTER): every payload form, faults, the admin API, the feed."""
+structs, pyzmq PUB + replay ROUTER, and the engines' own ZmqEventPublisher): every wire form
+of every release (sidecar/README.md, "Compatibility"), faults, the admin API, the feed."""
+import atexit
 import os
 import random
 import subprocess
 import time
 
+import msgspec
 import pytest
+import zmq
 
+import engine_wheels
 from harness import SIDECAR, Sidecar, free_port, wait_for
-from kvevents import Publisher, batch, chain_events, cleared, removed, stored
+from kvevents import FORMS, Publisher, batch, chain_events, cleared, removed, stored
 from kvfeed import OP_STORE, OP_STORE_OFFLOADED, SNAPSHOT_START, decode_frame, feed_blocks, namespace
 
 
@@ -19,22 +24,25 @@ def tokens(prefix, n):
 class Fleet:
     """Publishers on loopback ports and a sidecar subscribed to them."""
 
-    def __init__(self, n=2, replay=True, start_sidecar=True, ids=None, sidecar_extra=None):
+    def __init__(self, n=2, replay=True, start_sidecar=True, ids=None, sidecar_extra=None, replay_topic=True,
+                 address_space=None):
         self.pubs, self.ids, self.specs = [], [], []
+        self.address_space = address_space
         for i in range(n):
             ev, rp = free_port(), free_port()
             wid = ids[i] if ids else f"127.0.0.1:{free_port()}"
             self.ids.append(wid)
             self.specs.append((wid, f"tcp://127.0.0.1:{ev}", f"tcp://127.0.0.1:{rp}" if replay else None,
                                "both"))
-            self.pubs.append(Publisher(f"tcp://127.0.0.1:{ev}", f"tcp://127.0.0.1:{rp}" if replay else None))
+            self.pubs.append(Publisher(f"tcp://127.0.0.1:{ev}", f"tcp://127.0.0.1:{rp}" if replay else None,
+                                       replay_topic=replay_topic))
         self.extra = sidecar_extra
         self.sidecar = None
         if start_sidecar:
             self.start_sidecar()
 
     def start_sidecar(self, port=None):
-        self.sidecar = Sidecar(self.specs, port=port, extra=self.extra)
+        self.sidecar = Sidecar(self.specs, port=port, extra=self.extra, address_space=self.address_space)
         time.sleep(0.3)  # ZMQ subscriptions propagate asynchronously (the "slow joiner")
         return self.sidecar
 
@@ -92,32 +100,32 @@ HASH_KINDS = {
 }
 
 
-@pytest.mark.parametrize("form,hash_kind", [
-    ("vllm", "u64"), ("vllm", "i64"), ("vllm", "bytes"),
-    ("vllm-array", "u64"), ("vllm-array", "i64"),
-    ("sglang", "u64"), ("sglang", "i64"),
+# Every release's form (one row each of the README's table), and each hash encoding.
+@pytest.mark.parametrize("form,hash_kind", [(f, "u64") for f in sorted(FORMS)] + [
+    ("vllm-0.33", "i64"), ("vllm-0.33", "bytes"), ("vllm-0.10.2", "bytes"), ("vllm-0.20", "i64"),
+    ("sglang-0.5.22", "i64"), ("sglang-0.5.10", "i64"),
 ])
 def test_every_payload_form_mirrors_the_routers_chain(fleet, form, hash_kind):
     f = fleet(n=1)
     pub, sc, wid = f.pubs[0], f.sidecar, f.ids[0]
     prompt = tokens(1, 40 * 16 + 5)  # 40 whole blocks: two and a bit segments
     hashes = [HASH_KINDS[hash_kind](i) for i in range(40)]
-    pub.publish(batch(form, chain_events(form, prompt, hash_of=lambda i: hashes[i])))
+    pub.publish(batch(form, chain_events(form, prompt, hash_of=lambda i: hashes[i]), dp_rank=0))
     wait_for(lambda: sc.block_count(wid) == 40, what="40 blocks")
     assert snapshot(sc)[wid] == set(feed_blocks(prompt))
 
     # The same blocks stored again: flat.
-    pub.publish(batch(form, chain_events(form, prompt, hash_of=lambda i: hashes[i])))
+    pub.publish(batch(form, chain_events(form, prompt, hash_of=lambda i: hashes[i]), dp_rank=0))
     pub.flush()
     time.sleep(0.2)
     assert sc.block_count(wid) == 40
 
     # BlockRemoved of the last 8 engine blocks removes exactly those.
-    pub.publish(batch(form, [removed(form, hashes[32:])]))
+    pub.publish(batch(form, [removed(form, hashes[32:])], dp_rank=0))
     wait_for(lambda: sc.block_count(wid) == 32, what="32 blocks")
     assert snapshot(sc)[wid] == set(feed_blocks(prompt[:32 * 16]))
 
-    pub.publish(batch(form, [cleared(form)]))
+    pub.publish(batch(form, [cleared(form)], dp_rank=0))
     wait_for(lambda: sc.block_count(wid) == 0, what="cleared")
     assert metric(sc, "kvroute_sidecar_events_total", type="AllBlocksCleared", outcome="applied") == 1
     assert metric(sc, "kvroute_sidecar_batches_bad_total") == 0
@@ -203,27 +211,57 @@ def test_dp_ranks_publish_on_offset_ports_and_clear_alone():
             p.close()
 
 
-def test_a_block_held_by_two_kv_cache_groups_goes_with_the_last(fleet):
+def test_without_kinds_a_block_held_by_two_groups_goes_with_the_last(fleet):
     f = fleet(n=1)
     pub, sc, wid = f.pubs[0], f.sidecar, f.ids[0]
     prompt = tokens(24, 2 * 16)
     hashes = [61, 62]
-    # A hybrid model stores the blocks once per group (full attention, sliding window).
-    pub.publish(batch("vllm", [
-        stored("vllm", hashes, None, prompt, 16, group_idx=0),
-        stored("vllm", hashes, None, prompt, 16, group_idx=1),
+    # vLLM 0.20-0.21 name a block's KV-cache group but not its kind: every group counts as
+    # full attention (two full-attention groups, say).
+    form = "vllm-0.20"
+    pub.publish(batch(form, [
+        stored(form, hashes, None, prompt, 16, group_idx=0),
+        stored(form, hashes, None, prompt, 16, group_idx=1),
     ]))
     wait_for(lambda: sc.block_count(wid) == 2, what="two blocks, stored twice: flat")
-    pub.publish(batch("vllm", [removed("vllm", hashes, group_idx=1)]))  # the window slid
+    pub.publish(batch(form, [removed(form, hashes, group_idx=1)]))
     pub.flush()
     time.sleep(0.2)
     assert sc.block_count(wid) == 2
-    pub.publish(batch("vllm", [removed("vllm", hashes, group_idx=0)]))
+    pub.publish(batch(form, [removed(form, hashes, group_idx=0)]))
     wait_for(lambda: sc.block_count(wid) == 0, what="gone with the last group")
 
 
-def test_a_dropped_batch_is_replayed(fleet):
+@pytest.mark.parametrize("form", ["vllm-0.22", "vllm-0.33"])
+def test_only_full_attention_groups_make_hits(fleet, form):
     f = fleet(n=1)
+    pub, sc, wid = f.pubs[0], f.sidecar, f.ids[0]
+    prompt = tokens(25, 6 * 16)
+    hashes = [71, 72, 73, 74, 75, 76]
+    # A hybrid model as vLLM >= 0.22 reports it: group 0 full attention; group 1 a
+    # 32-token sliding window, whose store names only the blocks still in the window but
+    # carries every token; group 2 Mamba, its state at the end.
+    pub.publish(batch(form, [
+        stored(form, hashes, None, prompt, 16, medium="GPU", group_idx=0, kind="full_attention"),
+        stored(form, hashes[4:], None, prompt, 16, medium="GPU", group_idx=1, kind="sliding_window",
+               kv_cache_spec_sliding_window=32),
+        stored(form, hashes[5:], hashes[4], prompt[80:], 16, medium="GPU", group_idx=2, kind="mamba"),
+    ], dp_rank=0))
+    wait_for(lambda: metric(sc, "kvroute_sidecar_events_total", type="BlockStored",
+                            outcome="not_full_attention") == 2, what="two groups skipped")
+    assert snapshot(sc)[wid] == set(feed_blocks(prompt))
+    # The window slides and the full-attention group evicts the tail: the sliding-window
+    # removal changes nothing, the full-attention one removes.
+    pub.publish(batch(form, [removed(form, hashes[4:], medium="GPU", group_idx=1),
+                             removed(form, hashes[3:], medium="GPU", group_idx=0)], dp_rank=0))
+    wait_for(lambda: sc.block_count(wid) == 3, what="the full-attention prefix left")
+    assert metric(sc, "kvroute_sidecar_events_total", type="BlockRemoved", outcome="not_full_attention") == 1
+    assert snapshot(sc)[wid] == set(feed_blocks(prompt[:48]))
+
+
+@pytest.mark.parametrize("replay_topic", [True, False], ids=["topic-frame", "no-topic"])
+def test_a_dropped_batch_is_replayed(fleet, replay_topic):
+    f = fleet(n=1, replay_topic=replay_topic)
     pub, sc, wid = f.pubs[0], f.sidecar, f.ids[0]
     prompt = tokens(5, 3 * 16)
     ev = chain_events("vllm", prompt, per_event=1)
@@ -253,8 +291,9 @@ def test_a_gap_that_cannot_be_replayed_clears_and_rebuilds(fleet):
     wait_for(lambda: snapshot(sc)[wid] == set(feed_blocks(b)), what="only the chain after the gap")
 
 
-def test_a_publisher_restart_rebuilds_the_worker(fleet):
-    f = fleet(n=1)
+@pytest.mark.parametrize("replay_topic", [True, False], ids=["topic-frame", "no-topic"])
+def test_a_publisher_restart_rebuilds_the_worker(fleet, replay_topic):
+    f = fleet(n=1, replay_topic=replay_topic)
     pub, sc, wid = f.pubs[0], f.sidecar, f.ids[0]
     a, b = tokens(8, 5 * 16), tokens(9, 3 * 16)
     for _ in range(3):
@@ -265,7 +304,7 @@ def test_a_publisher_restart_rebuilds_the_worker(fleet):
     pub.close()
     time.sleep(0.2)
     # The engine restarted: an empty cache, a new publisher counting from 0.
-    f.pubs[0] = pub = Publisher(endpoint, replay)
+    f.pubs[0] = pub = Publisher(endpoint, replay, replay_topic=replay_topic)
     time.sleep(0.5)  # the SUB reconnects
     pub.publish(batch("vllm", chain_events("vllm", b)))
     wait_for(lambda: metric(sc, "kvroute_sidecar_resets_total", reason="publisher_restart") == 1,
@@ -273,8 +312,9 @@ def test_a_publisher_restart_rebuilds_the_worker(fleet):
     wait_for(lambda: snapshot(sc)[wid] == set(feed_blocks(b)), what="only the new chain")
 
 
-def test_history_from_before_the_sidecar_started_is_replayed(fleet):
-    f = fleet(n=1, start_sidecar=False)
+@pytest.mark.parametrize("replay_topic", [True, False], ids=["topic-frame", "no-topic"])
+def test_history_from_before_the_sidecar_started_is_replayed(fleet, replay_topic):
+    f = fleet(n=1, start_sidecar=False, replay_topic=replay_topic)
     pub, wid = f.pubs[0], f.ids[0]
     a, b = tokens(10, 6 * 16), tokens(11, 2 * 16)
     pub.publish(batch("sglang", chain_events("sglang", a)))  # seq 0, nobody listening
@@ -353,6 +393,215 @@ def test_offloaded_copies_keep_a_block_held(fleet):
     assert snapshot(sc)[wid] == set(feed_blocks(prompt))
     pub.publish(batch("vllm", [removed("vllm", [40, 41], medium="CPU")]))
     wait_for(lambda: sc.block_count(wid) == 0, what="gone from every tier")
+
+
+def test_cpu_tier_from_both_offload_event_forms(fleet):
+    f = fleet(n=1)
+    pub, sc, wid = f.pubs[0], f.sidecar, f.ids[0]
+    form = "vllm-0.33"
+    a = tokens(26, 4 * 16)
+    ha = [81, 82, 83, 84]
+
+    def offloaded():
+        return sc.json("/v1/admin/workers")[1]["workers"][0]["offloaded_blocks"]
+
+    pub.publish(batch(form, [stored(form, ha, None, a, 16, medium="GPU", group_idx=0)], dp_rank=0))
+    wait_for(lambda: sc.block_count(wid) == 4, what="GPU chain")
+    # vLLM's offloading connector by default: one placeholder per offloaded block, its hash
+    # only (no tokens, block_size 0). The blocks are known from their GPU store.
+    pub.publish(batch(form, [stored(form, [h], None, [], 0, medium="CPU", group_idx=0) for h in ha]
+                      + [stored(form, [999], None, [], 0, medium="CPU", group_idx=0)], dp_rank=0))
+    pub.publish(batch(form, [removed(form, ha, medium="GPU", group_idx=0)], dp_rank=0))
+    wait_for(lambda: offloaded() == 4, what="four blocks held in CPU memory only")
+    assert snapshot(sc, tiers=True)[wid] == (set(), set(feed_blocks(a)))
+    assert metric(sc, "kvroute_sidecar_events_total", type="BlockStored", outcome="unknown_block") == 1
+
+    # With `self_describing_kv_events` (vLLM >= 0.24): a chunk's store carries its blocks'
+    # hashes, parent and tokens, and a block shared by two chunks is announced by each.
+    b = tokens(27, 2 * 16)
+    c1, c2 = b + tokens(28, 2 * 16), b + tokens(29, 2 * 16)
+    pub.publish(batch(form, [stored(form, [91, 92, 93, 94], None, c1, 16, medium="CPU", group_idx=0),
+                             stored(form, [91, 92, 95, 96], None, c2, 16, medium="CPU", group_idx=0)], dp_rank=0))
+    wait_for(lambda: offloaded() == 10, what="two chunks, six blocks")
+    pub.publish(batch(form, [removed(form, [91, 92, 93, 94], medium="CPU", group_idx=0)], dp_rank=0))
+    wait_for(lambda: offloaded() == 8, what="the first chunk evicted")
+    assert snapshot(sc, tiers=True)[wid][1] == set(feed_blocks(a)) | set(feed_blocks(c2))
+    pub.publish(batch(form, [removed(form, [91, 92, 95, 96] + ha, medium="CPU", group_idx=0)], dp_rank=0))
+    wait_for(lambda: sc.block_count(wid) == 0, what="every tier empty")
+
+
+@pytest.mark.parametrize("form,salt_field", [
+    ("sglang-0.5.18", "metadata"), ("sglang-0.5.20", "cache_salt"), ("sglang-0.5.22", "cache_salt")])
+def test_sglang_salted_pages_live_in_their_namespace(fleet, form, salt_field):
+    f = fleet(n=1, replay_topic=FORMS[form].replay_topic)
+    pub, sc, wid = f.pubs[0], f.sidecar, f.ids[0]
+    prompt = tokens(30, 3 * 16)
+    # One BlockStored per page, each naming the salt (the engine's hashes differ too).
+    salted = chain_events(form, prompt, hash_of=lambda i: 7000 + i, cache_salt="tenant-9")
+    pub.publish(batch(form, salted + chain_events(form, prompt), dp_rank=0))
+    wait_for(lambda: sc.block_count(wid) == 6, what="salted and plain chains")
+    assert snapshot(sc)[wid] == set(feed_blocks(prompt, ns=namespace(salt="tenant-9"))) | set(feed_blocks(prompt))
+    if form == "sglang-0.5.22":
+        pub.publish(batch(form, chain_events(form, tokens(31, 16), hash_of=lambda i: 8000 + i, lora_name="sql"),
+                          dp_rank=0))
+        wait_for(lambda: sc.block_count(wid) == 7, what="the adapter's page")
+        assert set(feed_blocks(tokens(31, 16), ns=namespace("sql"))) <= snapshot(sc)[wid]
+
+
+def test_sglang_bigram_pages_index_their_tokens(fleet):
+    f = fleet(n=1)
+    pub, sc, wid = f.pubs[0], f.sidecar, f.ids[0]
+    form = "sglang-0.5.22"
+    prompt = tokens(32, 2 * 16 + 1)
+    # EAGLE's bigram keys: each page's tokens are (token, next token) pairs.
+    pairs = [[prompt[i], prompt[i + 1]] for i in range(32)]
+    pub.publish(batch(form, [stored(form, [1], None, pairs[:16], 16, medium="GPU"),
+                             stored(form, [2], 1, pairs[16:], 16, medium="GPU")], dp_rank=0))
+    wait_for(lambda: sc.block_count(wid) == 2, what="two pages")
+    assert snapshot(sc)[wid] == set(feed_blocks(prompt[:32]))
+
+
+def test_unknown_fields_and_keys_are_ignored(fleet):
+    f = fleet(n=1)
+    pub, sc, wid = f.pubs[0], f.sidecar, f.ids[0]
+    a, b, c = tokens(33, 32), tokens(34, 16), tokens(35, 16)
+    # vLLM 0.33's newest fields, set.
+    pub.publish(batch("vllm-0.33", [stored("vllm-0.33", [1, 2], None, a, 16, medium="GPU", group_idx=0,
+                                           kind="full_attention", locality="LOCAL", ownership="t2",
+                                           session_id="s-1", lookahead_token_ids=[[7], [8]])], dp_rank=0))
+    # A future release: more trailing fields in arrays, more keys in maps, another event type.
+    enc = msgspec.msgpack.Encoder()
+    pub.send_payload(enc.encode([time.time(), [
+        ["BlockStored", [3], None, b, 16, None, "GPU", None, None, 0, "full_attention", None, "new", [1, 2]],
+        {"type": "BlockStored", "block_hashes": [4], "parent_block_hash": None, "token_ids": c, "block_size": 16,
+         "lora_id": None, "medium": "GPU", "lora_name": None, "future": {"nested": [1, {"x": None}]}},
+        {"type": "BlockPinned", "block_hashes": [4]},
+    ], 0, "trailing batch field"]))
+    wait_for(lambda: sc.block_count(wid) == 4, what="all four blocks")
+    assert snapshot(sc)[wid] == set(feed_blocks(a)) | set(feed_blocks(b)) | set(feed_blocks(c))
+    assert metric(sc, "kvroute_sidecar_events_total", type="unknown", outcome="malformed") == 1
+    assert metric(sc, "kvroute_sidecar_batches_bad_total") == 0
+
+
+class EnginePublisher:
+    """The engine's own ZmqEventPublisher (vLLM 0.33.0 or SGLang 0.5.23, from their wheels),
+    with one fault: drop_next() makes its PUB socket skip the next send, so the batch is
+    numbered and buffered but lost in transit."""
+
+    def __init__(self, engine, endpoint, replay_endpoint):
+        self.mod = engine_wheels.vllm_kv_events() if engine == "vllm" else engine_wheels.sglang_kv_events()
+        self.engine = engine
+        self.pub = self.mod.ZmqEventPublisher(0, endpoint=endpoint, replay_endpoint=replay_endpoint)
+        self.drops = 0
+        real, outer = self.pub._pub, self
+
+        class Lossy:
+            def send_multipart(self, frames, *args, **kw):
+                if outer.drops:
+                    outer.drops -= 1
+                    return None
+                return real.send_multipart(frames, *args, **kw)
+
+            def __getattr__(self, name):
+                return getattr(real, name)
+
+        self.pub._pub = Lossy()
+
+    def chain(self, toks, first_hash):
+        """The engine's BlockStored events for a chain of whole blocks."""
+        m, n = self.mod, len(toks) // 16
+        hashes = [first_hash + i for i in range(n)]
+        if self.engine == "vllm":
+            return [m.BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=toks, block_size=16,
+                                  lora_id=None, medium="GPU", lora_name=None, extra_keys=[None] * n, group_idx=0,
+                                  kv_cache_spec_kind="full_attention")]
+        return [m.BlockStored(block_hashes=[h], parent_block_hash=hashes[i - 1] if i else None,
+                              token_ids=toks[16 * i:16 * i + 16], block_size=16, lora_id=None, medium="GPU")
+                for i, h in enumerate(hashes)]
+
+    def publish(self, events, drop=False):
+        if drop:
+            self.drops += 1
+        self.pub.publish(self.mod.KVEventBatch(time.time(), events))
+
+    def close(self):
+        self.pub.shutdown()
+        atexit.unregister(self.pub.shutdown)  # SGLang's registers itself; once is enough
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_gaps_and_catch_up_are_replayed_from_the_engines_own_publisher(engine):
+    ev, rp = free_port(), free_port()
+    wid = f"127.0.0.1:{free_port()}"
+    pub = EnginePublisher(engine, f"tcp://*:{ev}", f"tcp://*:{rp}")
+    sc = None
+    try:
+        a, b, c, d = (tokens(40 + k, 2 * 16) for k in range(4))
+        pub.publish(pub.chain(a, 100))  # seq 0, before the sidecar subscribed
+        time.sleep(0.2)
+        sc = Sidecar([(wid, f"tcp://127.0.0.1:{ev}", f"tcp://127.0.0.1:{rp}", "both")])
+        time.sleep(0.3)
+        pub.publish(pub.chain(b, 200))  # seq 1: the sidecar catches up on seq 0
+        wait_for(lambda: sc.block_count(wid) == 4, what="caught up")
+        pub.publish(pub.chain(c, 300), drop=True)  # seq 2, lost
+        pub.publish(pub.chain(d, 400))  # seq 3: a gap, repaired by replay
+        wait_for(lambda: sc.block_count(wid) == 8, what="the lost batch replayed")
+        assert snapshot(sc)[wid] == set().union(*(feed_blocks(t) for t in (a, b, c, d)))
+        m = sc.metrics()
+        assert (m["kvroute_sidecar_sequence_gaps_total"], m["kvroute_sidecar_replays_ok_total"]) == (1, 2)
+        assert m["kvroute_sidecar_frames_bad_total"] == 0
+        assert sum(v for k, v in m.items() if k.startswith("kvroute_sidecar_resets_total")) == 0
+    finally:
+        if sc:
+            sc.stop()
+        pub.close()
+
+
+# The largest payload the sidecar's sockets take (64 MiB), less room for the frame.
+BIG = (64 << 20) - 4096
+
+
+def peak_rss_mb(pid):
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1024
+
+
+def test_oversized_claims_survive_a_memory_limit(fleet):
+    """Payloads whose headers claim as much as they can, at the largest size, to a sidecar
+    that may map 1 GiB (it idles at ~160 MB; before the reservations were bounded, the first
+    payload asked for 9.6 GB and aborted it): counted and survived. A payload packed with
+    the smallest real events is applied as it decodes, one event at a time: the peak is the
+    two copies of the message and the idle process."""
+    f = fleet(n=1, address_space=1 << 30)
+    pub, sc, wid = f.pubs[0], f.sidecar, f.ids[0]
+    # [0, [nil × 64M claimed]]: an array of events whose header claims 16M+ of them.
+    n = BIG - 7
+    pub.send_payload(b"\x92\x00\xdd" + n.to_bytes(4, "big") + b"\xc0" * n)
+    # BlockStored claiming 64M hashes, and 64M tokens.
+    pub.send_payload(b"\x92\x00\x91\x96\xabBlockStored\xdd" + (BIG - 20).to_bytes(4, "big") + b"\xc0" * (BIG - 20))
+    pub.send_payload(b"\x92\x00\x91\x96\xabBlockStored\x90\xc0\xdd" + (BIG - 22).to_bytes(4, "big")
+                     + b"\xc1" * (BIG - 22))
+    pub.flush(timeout=30)
+    wait_for(lambda: sc.metric("kvroute_sidecar_batches_bad_total") == 3, timeout=30, what="3 bad payloads")
+    # The smallest real events, as many as fit: ["BlockStored", [], nil, [], 16] (no block:
+    # vacuous) and ["AllBlocksCleared"].
+    small = msgspec.msgpack.encode(["BlockStored", [], None, [], 16])
+    count = (BIG - 16) // len(small)
+    pub.send_payload(b"\x92\x00\xdd" + count.to_bytes(4, "big") + small * count)
+    clear = msgspec.msgpack.encode(["AllBlocksCleared"])
+    count_c = (BIG - 16) // len(clear)
+    pub.send_payload(b"\x92\x00\xdd" + count_c.to_bytes(4, "big") + clear * count_c)
+    pub.flush(timeout=30)
+    wait_for(lambda: sc.metric('kvroute_sidecar_events_total{type="AllBlocksCleared",outcome="applied"}')
+             == count_c, timeout=60, what="the packed batches applied")
+    assert sc.metric('kvroute_sidecar_events_total{type="BlockStored",outcome="applied"}') == count
+    peak = peak_rss_mb(sc.proc.pid)
+    print(f"peak RSS after 64 MiB of the smallest BlockStored events: {peak:.0f} MB")
+    # And it goes on: a real batch is indexed.
+    pub.publish(batch("vllm", chain_events("vllm", tokens(50, 32)), dp_rank=0))
+    wait_for(lambda: sc.block_count(wid) == 2, what="a real batch after the hostile ones")
+    assert sc.proc.poll() is None, sc.logs()[-2000:]
+    assert peak < 400
 
 
 def test_a_silent_worker_whose_health_fails_is_marked_down(fleet):
