@@ -1,5 +1,6 @@
-//! What every wire decoder here shares (the feed and shared-data decoders in this crate, the
-//! sidecar's msgpack event decoder): how much to reserve for a length prefix.
+//! What the wire codecs here share (the feed and shared-data decoders in this crate, the
+//! sidecar's KV-event decoder, the mock engine's encoder): how much to reserve for a length
+//! prefix, and the field order of vLLM's positional KV events.
 //!
 //! A count in a header is a claim, not a fact. Reserving `claimed × size_of::<T>()` up
 //! front lets a few hostile bytes ask for gigabytes: a 64 MiB msgpack payload claiming 16M
@@ -15,6 +16,28 @@ pub fn capacity_for<T>(claimed: usize, remaining: usize, min_encoded: usize) -> 
     let per_element = min_encoded.max(std::mem::size_of::<T>()).max(1);
     claimed.min(remaining / per_element)
 }
+
+/// vLLM's `BlockStored` fields in declaration order, as its positional (`array_like`) events
+/// list them after the tag. Every release only appended: 0.9 the first five, 0.10.2
+/// `medium`, 0.14 `lora_name`, 0.17 `extra_keys`, 0.20 `group_idx`, 0.22 the spec kind and
+/// window (0.24 made events maps; later fields exist only there). From `extra_keys` on they
+/// default to `None`.
+pub const VLLM_BLOCK_STORED_FIELDS: [&str; 11] = [
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+    "lora_name",
+    "extra_keys",
+    "group_idx",
+    "kv_cache_spec_kind",
+    "kv_cache_spec_sliding_window",
+];
+
+/// vLLM's `BlockRemoved` fields, likewise (0.10.2 `medium`, 0.20 `group_idx`).
+pub const VLLM_BLOCK_REMOVED_FIELDS: [&str; 3] = ["block_hashes", "medium", "group_idx"];
 
 #[cfg(test)]
 mod tests {

@@ -9,6 +9,7 @@
 //! Configured by vLLM's own `--kv-events-config` JSON keys.
 
 use crate::kvcache::KvEvent;
+use kvroute::wire::{VLLM_BLOCK_REMOVED_FIELDS, VLLM_BLOCK_STORED_FIELDS};
 use serde::Deserialize;
 use std::collections::VecDeque;
 use std::sync::mpsc;
@@ -102,7 +103,7 @@ impl WireForm {
         matches!(self, WireForm::Vllm033 | WireForm::Vllm026 | WireForm::Vllm024)
     }
 
-    /// How many of [`STORED`] and of [`REMOVED`] this form has.
+    /// How many of vLLM's `BlockStored` and `BlockRemoved` fields this form has.
     fn fields(self) -> (usize, usize) {
         match self {
             WireForm::Vllm033 | WireForm::Vllm026 | WireForm::Vllm024 | WireForm::Vllm022 => (11, 3),
@@ -113,8 +114,8 @@ impl WireForm {
         }
     }
 
-    /// Fields the release's `BlockStored` declares in all (those past [`STORED`] are
-    /// never set here): msgspec sizes a struct's map header by them.
+    /// Fields the release's `BlockStored` declares in all (those past the 11 positional ones
+    /// are never set here): msgspec sizes a struct's map header by them.
     fn stored_struct_fields(self) -> usize {
         match self {
             WireForm::Vllm033 => 15,
@@ -149,22 +150,6 @@ impl Value<'_> {
     }
 }
 
-/// `BlockStored`'s fields in vLLM's order (later releases only ever appended); those after
-/// `lora_name` have the default `None`.
-const STORED: [&str; 11] = [
-    "block_hashes",
-    "parent_block_hash",
-    "token_ids",
-    "block_size",
-    "lora_id",
-    "medium",
-    "lora_name",
-    "extra_keys",
-    "group_idx",
-    "kv_cache_spec_kind",
-    "kv_cache_spec_sliding_window",
-];
-const REMOVED: [&str; 3] = ["block_hashes", "medium", "group_idx"];
 /// `BlockRemoved` declares at most 5 fields (0.29+): its map header is always one byte.
 const REMOVED_STRUCT_FIELDS: usize = 5;
 
@@ -300,11 +285,25 @@ pub fn encode_batch(form: WireForm, ts: f64, events: &[KvEvent], dp_rank: u32) -
                     Value::Str("full_attention"),
                     Value::Default, // sliding window
                 ];
-                event(&mut out, form, "BlockStored", &STORED, &values[..n_stored], form.stored_struct_fields());
+                event(
+                    &mut out,
+                    form,
+                    "BlockStored",
+                    &VLLM_BLOCK_STORED_FIELDS,
+                    &values[..n_stored],
+                    form.stored_struct_fields(),
+                );
             }
             KvEvent::Removed { hashes } => {
                 let values = [Value::Hashes(hashes), Value::Str("GPU"), Value::Uint(0)];
-                event(&mut out, form, "BlockRemoved", &REMOVED, &values[..n_removed], REMOVED_STRUCT_FIELDS);
+                event(
+                    &mut out,
+                    form,
+                    "BlockRemoved",
+                    &VLLM_BLOCK_REMOVED_FIELDS,
+                    &values[..n_removed],
+                    REMOVED_STRUCT_FIELDS,
+                );
             }
             KvEvent::Cleared => event(&mut out, form, "AllBlocksCleared", &[], &[], 0),
         }

@@ -23,7 +23,7 @@
 //! after it could hold.
 
 use crate::msgpack::{Kind, MsgpackError, Reader};
-use kvroute::wire::capacity_for;
+use kvroute::wire::{capacity_for, VLLM_BLOCK_REMOVED_FIELDS, VLLM_BLOCK_STORED_FIELDS};
 
 /// Where a block lives. vLLM sends `medium = "GPU"` (or nothing) for device memory; any
 /// other medium (vLLM `"CPU"`, `"STORAGE"`; SGLang `"CPU_PINNED"`, `"DISK"`, `"EXTERNAL"`;
@@ -392,26 +392,10 @@ enum Decoded<'a> {
     Unknown(&'a str),
 }
 
-/// Field order of the positional (`array_like`) form after the tag: vLLM's, which every
-/// release only ever extended at the end (0.9: the first five; 0.10.2 `medium`; 0.14
-/// `lora_name`; 0.17 `extra_keys`; 0.20 `group_idx`; 0.22 the spec kind and window).
-/// SGLang's positional `BlockStored` is the same up to `medium`, then (0.5.18–0.5.19, a
-/// salted block) a `metadata` map where vLLM has `lora_name`.
-const STORED_FIELDS: &[&str] = &[
-    "block_hashes",
-    "parent_block_hash",
-    "token_ids",
-    "block_size",
-    "lora_id",
-    "medium",
-    "lora_name",
-    "extra_keys",
-    "group_idx",
-    "kv_cache_spec_kind",
-    "kv_cache_spec_sliding_window",
-];
+/// Positional events: vLLM's field order ([`VLLM_BLOCK_STORED_FIELDS`]). SGLang's positional
+/// `BlockStored` is the same up to `medium`, then (0.5.18–0.5.19, a salted block) a
+/// `metadata` map where vLLM has `lora_name`.
 const LORA_NAME_AT: usize = 6;
-const REMOVED_FIELDS: &[&str] = &["block_hashes", "medium", "group_idx"];
 
 fn decode_event<'a>(r: &mut Reader<'a>) -> Result<Decoded<'a>, DecodeError> {
     let mut fields = Fields::default();
@@ -423,8 +407,8 @@ fn decode_event<'a>(r: &mut Reader<'a>) -> Result<Decoded<'a>, DecodeError> {
             }
             let tag = r.str()?;
             let names: &[&str] = match tag {
-                "BlockStored" => STORED_FIELDS,
-                "BlockRemoved" => REMOVED_FIELDS,
+                "BlockStored" => &VLLM_BLOCK_STORED_FIELDS,
+                "BlockRemoved" => &VLLM_BLOCK_REMOVED_FIELDS,
                 _ => &[],
             };
             for i in 0..n - 1 {

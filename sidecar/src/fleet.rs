@@ -165,20 +165,13 @@ impl Fleet {
         now: Instant,
         now_unix: f64,
     ) -> Result<(), DecodeError> {
-        let mut changes = std::mem::take(&mut self.changes);
-        let mut changed = false;
-        let read = BatchReader::new(payload).and_then(|mut reader| {
+        let tail = self.apply_events(w, |f, changes, changed| {
+            let mut reader = BatchReader::new(payload)?;
             while let Some(ev) = reader.next_event()? {
-                changed |= self.apply_event(w, rank, &ev, &mut changes);
+                *changed |= f.apply_event(w, rank, &ev, changes);
             }
             reader.finish()
-        });
-        changed |= Self::log_changes(&mut self.log, self.version + 1, w, &mut changes);
-        self.changes = changes;
-        if changed {
-            self.bump();
-        }
-        let tail = read?;
+        })?;
         self.count_unknown(w, tail.unknown, tail.first_unknown.as_deref());
         self.batch_done(w, rank, seq, tail.ts, now, now_unix);
         Ok(())
@@ -186,18 +179,33 @@ impl Fleet {
 
     /// Applies one decoded batch (as [`Fleet::apply_payload`] does its payload).
     pub fn apply_batch(&mut self, w: usize, rank: usize, seq: u64, batch: &Batch, now: Instant, now_unix: f64) {
+        let _infallible: Result<(), DecodeError> = self.apply_events(w, |f, changes, changed| {
+            for ev in &batch.events {
+                *changed |= f.apply_event(w, rank, ev, changes);
+            }
+            Ok(())
+        });
+        self.count_unknown(w, batch.unknown, batch.first_unknown.as_deref());
+        self.batch_done(w, rank, seq, batch.ts, now, now_unix);
+    }
+
+    /// Runs `apply` (which collects changes, and flags any it logged itself), then logs what
+    /// it changed as one new version: also when it fails partway, so the feed always says
+    /// what the caches hold.
+    fn apply_events<T>(
+        &mut self,
+        w: usize,
+        apply: impl FnOnce(&mut Self, &mut Vec<Change>, &mut bool) -> Result<T, DecodeError>,
+    ) -> Result<T, DecodeError> {
         let mut changes = std::mem::take(&mut self.changes);
         let mut changed = false;
-        for ev in &batch.events {
-            changed |= self.apply_event(w, rank, ev, &mut changes);
-        }
-        self.count_unknown(w, batch.unknown, batch.first_unknown.as_deref());
+        let result = apply(self, &mut changes, &mut changed);
         changed |= Self::log_changes(&mut self.log, self.version + 1, w, &mut changes);
         self.changes = changes;
         if changed {
             self.bump();
         }
-        self.batch_done(w, rank, seq, batch.ts, now, now_unix);
+        result
     }
 
     /// A whole batch was applied: counted, and the rank's last sequence and lag noted.

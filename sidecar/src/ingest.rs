@@ -177,17 +177,19 @@ impl Ingest {
                 }
             };
             let Some((seq, payload)) = live_message(msg) else {
-                lock(&self.fleet).stats.frames_bad += 1;
-                if self.streams[i].should_log() {
-                    log::warn!(
-                        "{}: dropped a message that is not [topic, seq, payload] (problem #{})",
-                        self.streams[i].label,
-                        self.streams[i].problems
-                    );
-                }
+                self.dropped(i, "message that is not [topic, seq, payload]");
                 continue;
             };
             self.live(i, seq, payload);
+        }
+    }
+
+    /// Counts a message of the wrong shape, and logs it (rate-limited).
+    fn dropped(&mut self, i: usize, what: &str) {
+        lock(&self.fleet).stats.frames_bad += 1;
+        let s = &mut self.streams[i];
+        if s.should_log() {
+            log::warn!("{}: dropped a {what} (problem #{})", s.label, s.problems);
         }
     }
 
@@ -305,14 +307,7 @@ impl Ingest {
                     return;
                 }
                 None => {
-                    lock(&self.fleet).stats.frames_bad += 1;
-                    if self.streams[i].should_log() {
-                        log::warn!(
-                            "{}: dropped a replay reply that is not [\"\", topic?, seq, payload] (problem #{})",
-                            self.streams[i].label,
-                            self.streams[i].problems
-                        );
-                    }
+                    self.dropped(i, "replay reply that is not [\"\", topic?, seq, payload]");
                     continue;
                 }
             };
