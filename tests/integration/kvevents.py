@@ -318,14 +318,16 @@ def main():
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--tokens", action="append", default=[], metavar="FIRST:COUNT",
                     help="a cached prompt: token ids FIRST, FIRST+1, ... (repeatable)")
+    ap.add_argument("--token-ids", action="append", default=[], metavar="ID,ID,...",
+                    help="a cached prompt given by its token ids (e.g. from the stage's /tokenize; repeatable)")
     args = ap.parse_args()
     pub = Publisher(args.bind, args.replay, replay_topic=FORMS[args.form].replay_topic)
     time.sleep(0.5)  # let subscribers connect
-    for spec in args.tokens:
-        first, count = map(int, spec.split(":"))
-        toks = list(range(first, first + count))
+    prompts = [list(range(int(f), int(f) + int(n))) for f, n in (spec.split(":") for spec in args.tokens)]
+    prompts += [[int(t) for t in spec.split(",") if t.strip()] for spec in args.token_ids]
+    for toks in prompts:
         pub.publish(batch(args.form, chain_events(args.form, toks, args.block_size), dp_rank=0))
-        print(f"published {count // args.block_size} blocks of tokens {first}..{first + count - 1}")
+        print(f"published {len(toks) // args.block_size} blocks of a {len(toks)}-token prompt")
     pub.flush()
     print("serving replays; Ctrl-C to stop")
     try:

@@ -145,8 +145,9 @@ class FeedState:
                 self.held.setdefault(w, {})
             self._commit([])
 
-    def store(self, worker, tokens):
-        blocks = feed_blocks(tokens, self.block_size)
+    def store(self, worker, tokens, ns=0):
+        """`worker` now holds the blocks of `tokens`, in namespace `ns` (base: 0)."""
+        blocks = feed_blocks(tokens, self.block_size, ns)
         with self.cond:
             self.held[worker].update(blocks)
             self._commit([(OP_STORE, worker, blocks)])

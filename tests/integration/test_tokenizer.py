@@ -1,0 +1,207 @@
+"""The tokenizer stage (kvroute-tokenizer) in a real Envoy, as envoy/envoy.yaml wires it:
+plain OpenAI requests, sent by the official `openai` client and by hand, are tokenized as
+vLLM does (the golden token ids of tests/vectors/tokenizer/qwen3.json) and land on the worker
+that caches their prefix; everything the stage cannot read is routed by load, never failed."""
+import contextlib
+import json
+import pathlib
+import urllib.request
+
+import openai
+import pytest
+
+from harness import ROOT, TOKENIZER_DIR, Envoy, Tokenizer, Worker, render_config, wait_for
+from kvfeed import FeedServer, FeedState, namespace
+
+GOLDEN = {c["name"]: c for c in json.loads((ROOT / "tests/vectors/tokenizer/qwen3.json").read_text())["cases"]}
+DEBUG = "x-kvroute-debug"
+
+
+class StageSetup:
+    """Three upstream workers, a feed, the stage and an Envoy with both filters."""
+
+    def __init__(self, stage_extra=None, loras=()):
+        self.workers = [Worker() for _ in range(3)]
+        self.state = FeedState()
+        self.state.set_workers([(w.id, "both", True) for w in self.workers])
+        self.feed = FeedServer(self.state)
+        self.stage = Tokenizer(models=[("qwen3", TOKENIZER_DIR, list(loras))], extra=stage_extra)
+        cfg, self.port, ap = render_config(self.workers, self.feed.port, {"debug_header": DEBUG},
+                                           tokenizer_port=self.stage.grpc_port)
+        self.envoy = Envoy(cfg, self.port, ap)
+        self.sync()
+
+    def sync(self):
+        v = self.state.version
+        wait_for(lambda: self.envoy.stat("kvroute_sync.version") >= v, what=f"feed version {v}")
+
+    def cache(self, worker, tokens, ns=0):
+        """Makes `worker` hold the blocks of `tokens` (in namespace `ns`)."""
+        self.state.store(worker.id, tokens, ns)
+        self.sync()
+
+    def client(self):
+        return openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="unused", max_retries=0)
+
+    def post(self, path, body, headers=None):
+        """(status, response headers, JSON body) of a raw POST through Envoy."""
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", data=data, method="POST",
+                                     headers={"content-type": "application/json", **(headers or {})})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, dict(r.headers), json.loads(r.read())
+
+    def stop(self):
+        for p in (self.envoy, self.stage, self.feed):
+            with contextlib.suppress(Exception):
+                p.stop()
+        for w in self.workers:
+            w.stop()
+
+
+@pytest.fixture
+def stage_setup():
+    made = []
+
+    def make(**kw):
+        s = StageSetup(**kw)
+        made.append(s)
+        return s
+
+    yield make
+    for s in made:
+        s.stop()
+
+
+def debug_fields(headers):
+    return dict(kv.split("=", 1) for kv in headers[DEBUG].split(";"))
+
+
+def test_an_openai_chat_lands_on_the_worker_holding_its_prefix(stage_setup):
+    s = stage_setup()
+    case = GOLDEN["chat_multi_turn"]
+    s.cache(s.workers[2], case["tokens"])
+    raw = s.client().chat.completions.with_raw_response.create(model="qwen3", messages=case["request"]["messages"])
+    assert raw.http_response.json()["worker"] == s.workers[2].id
+    d = debug_fields(raw.headers)
+    assert d["worker"] == s.workers[2].id and int(d["hits"]) == len(case["tokens"]) // 16
+    # A text completion, by hand (what `curl` would send): its own golden ids.
+    comp = GOLDEN["cmpl_long"]
+    s.cache(s.workers[1], comp["tokens"])
+    status, headers, body = s.post("/v1/completions", {"model": "qwen3", "prompt": comp["request"]["prompt"]})
+    assert (status, body["worker"]) == (200, s.workers[1].id)
+    assert int(debug_fields(headers)["hits"]) == len(comp["tokens"]) // 16
+    assert s.stage.outcome("tokenized") == 2
+
+
+def test_lora_and_cache_salt_reach_the_filter(stage_setup):
+    s = stage_setup(loras=["sql-lora"])
+    case = GOLDEN["chat_multi_turn"]
+    assert len(case["tokens"]) >= 32
+    s.cache(s.workers[0], case["tokens"], ns=namespace("sql-lora"))
+    s.cache(s.workers[1], case["tokens"], ns=namespace(salt="tenant-7"))
+    s.cache(s.workers[2], case["tokens"])
+    msgs = case["request"]["messages"]
+    assert s.post("/v1/chat/completions", {"model": "sql-lora", "messages": msgs})[2]["worker"] == s.workers[0].id
+    salted = {"model": "qwen3", "messages": msgs, "cache_salt": "tenant-7"}
+    assert s.post("/v1/chat/completions", salted)[2]["worker"] == s.workers[1].id
+    assert s.post("/v1/chat/completions", {"model": "qwen3", "messages": msgs})[2]["worker"] == s.workers[2].id
+
+
+def test_client_token_headers_are_not_trusted(stage_setup):
+    s = stage_setup()
+    case = GOLDEN["chat_system_user"]
+    decoy = list(range(5000, 5000 + 16 * 8))
+    s.cache(s.workers[0], decoy)
+    s.cache(s.workers[1], case["tokens"])
+    forged = {"x-prompt-token-ids": ",".join(map(str, decoy)), "x-kvroute-cache-salt": "other"}
+    _, _, body = s.post("/v1/chat/completions", {"model": "qwen3", "messages": case["request"]["messages"]}, forged)
+    assert body["worker"] == s.workers[1].id
+    assert s.stage.metrics()["kvroute_tokenizer_client_headers_removed_total"] == 1
+
+
+def test_what_the_stage_cannot_read_is_routed_by_load(stage_setup):
+    s = stage_setup(stage_extra={"max_body_bytes": 65536})
+    ok = lambda r: r[0] == 200 and r[2]["worker"] in {w.id for w in s.workers}  # noqa: E731
+    assert ok(s.post("/v1/chat/completions", b"{not json"))
+    assert ok(s.post("/v1/completions", {"model": "no-such-model", "prompt": "x"}))
+    assert ok(s.post("/v1/chat/completions", {"model": "qwen3", "messages": []}))
+    assert ok(s.post("/v1/completions", {"prompt": "x" * 100_000}))  # over max_body_bytes: not even buffered
+    assert ok(s.post("/v1/embeddings", {"input": "x"}))  # not an endpoint the stage reads: no hop at all
+    m = s.stage.metrics()
+    outcomes = {k.split('"')[1]: v for k, v in m.items() if k.startswith("kvroute_tokenizer_requests_total")}
+    assert (outcomes["not_json"], outcomes["unknown_model"], outcomes["invalid"], outcomes["too_large"]) == (1, 1, 1, 1)
+    assert outcomes["not_openai"] == 0 and outcomes["tokenized"] == 0
+    # With the stage gone, requests still flow (ext_proc fails open) and are routed by load.
+    s.stage.stop(kill=True)
+    assert ok(s.post("/v1/chat/completions", {"model": "qwen3", "messages": [{"role": "user", "content": "hi"}]}))
+
+
+def test_tokenize_answers_as_vllm_does():
+    stage = Tokenizer()
+    try:
+        for name in ("chat_tools", "chat_reasoning_effort_none", "cmpl_unicode"):
+            case = GOLDEN[name]
+            req = dict(case["request"])
+            if "messages" in req:
+                # /tokenize takes no reasoning_effort: vLLM's chat form sends enable_thinking instead.
+                if "reasoning_effort" in req:
+                    req["chat_template_kwargs"] = {"enable_thinking": req.pop("reasoning_effort") != "none"}
+                req.pop("tool_choice", None)
+            status, body = stage.tokenize(req)
+            assert status == 200, body
+            assert body["tokens"] == case["tokens"] and body["count"] == len(case["tokens"]), name
+            assert body["max_model_len"] == 40960 and body["token_strs"] is None
+        status, body = stage.tokenize({"prompt": "Hello", "return_token_strs": True})
+        assert body["token_strs"] == ["Hello"]
+        assert stage.tokenize({"model": "nope", "prompt": "x"})[0] == 404
+        assert stage.tokenize({"messages": "not a list"})[0] == 400
+    finally:
+        stage.stop()
+
+
+def test_the_shipped_config_wires_the_stage_before_the_filter():
+    import yaml
+    cfg = yaml.safe_load((ROOT / "envoy" / "envoy.yaml").read_text())
+    hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    names = [f["name"] for f in hcm["http_filters"]]
+    assert names.index("envoy.filters.http.ext_proc") < names.index("envoy.filters.http.wasm")
+    ext = hcm["http_filters"][names.index("envoy.filters.http.ext_proc")]["typed_config"]
+    assert ext["failure_mode_allow"] is True and ext["allow_mode_override"] is True
+    assert ext["processing_mode"]["request_body_mode"] == "BUFFERED"
+    routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
+    read = [r["match"].get("path") for r in routes if "envoy.filters.http.ext_proc" not in r.get("typed_per_filter_config", {})]
+    assert read == ["/v1/chat/completions", "/v1/completions"]
+    assert hcm["max_request_headers_kb"] >= 1024  # 32k tokens are ~175 KB of base64
+    assert pathlib.Path(ROOT / "envoy" / "envoy.yaml").read_text().count("kvroute_tokenizer") >= 2
+
+
+def test_the_golden_token_ids_are_transformers_own():
+    """The committed vectors are what the generator gives with transformers today."""
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, str(ROOT / "tests/vectors/tokenizer/generate.py"), str(TOKENIZER_DIR)],
+                         capture_output=True, text=True, timeout=300, check=True).stdout
+    fresh = json.loads(out)
+    committed = json.loads((ROOT / "tests/vectors/tokenizer/qwen3.json").read_text())
+    assert fresh["cases"] == committed["cases"]
+    assert len([c for c in fresh["cases"] if "tokens" in c]) >= 30
+
+
+def test_the_startup_self_check_compares_with_a_workers_tokenize():
+    engine = Tokenizer()  # stands in for an engine's /tokenize: the same tokenizer and rules
+    url = f"http://127.0.0.1:{engine.http_port}"
+    same = Tokenizer(extra={"self_check": [url]})
+    # Another chat template: the chat prompts differ, the text prompts agree.
+    other = Tokenizer(extra={"self_check": [url]}, chat_template="{% for m in messages %}{{ m.content }}{% endfor %}")
+    try:
+        def results(t):
+            m = t.metrics()
+            return {r: m[f'kvroute_tokenizer_self_check_prompts_total{{result="{r}"}}'] for r in ("agree", "differ")}
+        wait_for(lambda: sum(results(same).values()) == 4 and sum(results(other).values()) == 4, what="self-checks")
+        assert results(same) == {"agree": 4, "differ": 0}
+        assert results(other) == {"agree": 2, "differ": 2}
+        assert "SELF-CHECK FAILED" in other.logs() and "SELF-CHECK FAILED" not in same.logs()
+    finally:
+        for t in (other, same, engine):
+            t.stop()

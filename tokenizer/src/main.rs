@@ -1,0 +1,118 @@
+//! kvroute-tokenizer: Envoy's ext_proc gRPC service on `grpc_listen`, `/tokenize` and
+//! `/metrics` on `http_listen`. Exits with status 2 on a bad configuration.
+
+use clap::Parser;
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper_util::rt::TokioIo;
+use kvroute_tokenizer::config::{Cli, Config};
+use kvroute_tokenizer::extproc::handler::StageProcessor;
+use kvroute_tokenizer::extproc::server::ExternalProcessorServer;
+use kvroute_tokenizer::http;
+use kvroute_tokenizer::stage::Stage;
+use kvroute_tokenizer::stats::Stats;
+use std::sync::Arc;
+use std::time::Instant;
+use tokio::sync::Semaphore;
+
+fn main() {
+    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info")).init();
+    let cli = Cli::parse();
+    let config = match Config::load(&cli) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("kvroute-tokenizer: {e}");
+            std::process::exit(2);
+        }
+    };
+    if let Err(e) = run(config) {
+        eprintln!("kvroute-tokenizer: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn run(config: Config) -> Result<(), String> {
+    let t = Instant::now();
+    let stage = Arc::new(Stage::new(&config.models, config.trust_request_chat_template, config.any_model_name)?);
+    for m in stage.models() {
+        log::info!("model {}: max_model_len {}, LoRA adapters {:?}", m.name, m.max_model_len, m.loras);
+    }
+    log::info!("tokenizers loaded in {:.2} s", t.elapsed().as_secs_f64());
+    let stats = Arc::new(Stats::default());
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .max_blocking_threads(config.max_concurrency.max(1) + 2)
+        .build()
+        .map_err(|e| format!("tokio runtime: {e}"))?;
+    rt.block_on(async move {
+        let processor = StageProcessor {
+            stage: stage.clone(),
+            stats: stats.clone(),
+            headers: config.headers.clone(),
+            trust_client_tokens: config.trust_client_tokens,
+            max_body_bytes: config.max_body_bytes,
+            limiter: Arc::new(Semaphore::new(config.max_concurrency)),
+        };
+        // A buffered body arrives whole in one message: allow it, and a little for framing.
+        let grpc = ExternalProcessorServer::new(Arc::new(processor), config.max_body_bytes + 64 * 1024);
+        let grpc_listener = tokio::net::TcpListener::bind(config.grpc_listen)
+            .await
+            .map_err(|e| format!("grpc_listen {}: {e}", config.grpc_listen))?;
+        let http_listener = tokio::net::TcpListener::bind(config.http_listen)
+            .await
+            .map_err(|e| format!("http_listen {}: {e}", config.http_listen))?;
+        log::info!("ext_proc on {}, /tokenize and /metrics on {}", config.grpc_listen, config.http_listen);
+        if !config.self_check.is_empty() {
+            let model = if config.any_model_name { None } else { stage.models().first().map(|m| m.name.clone()) };
+            let (stage, urls, stats) = (stage.clone(), config.self_check.clone(), stats.clone());
+            tokio::spawn(kvroute_tokenizer::selfcheck::run(stage, urls, model, stats));
+        }
+        let app = Arc::new(http::App { stage, stats, max_body_bytes: config.max_body_bytes });
+        tokio::spawn(serve_http(http_listener, app));
+        tonic::transport::Server::builder()
+            .add_service(grpc)
+            .serve_with_incoming_shutdown(
+                tokio_stream::wrappers::TcpListenerStream::new(grpc_listener),
+                shutdown_signal(),
+            )
+            .await
+            .map_err(|e| format!("ext_proc server: {e}"))?;
+        log::info!("stopped");
+        Ok(())
+    })
+}
+
+async fn serve_http(listener: tokio::net::TcpListener, app: Arc<http::App>) {
+    loop {
+        let (stream, _) = match listener.accept().await {
+            Ok(s) => s,
+            Err(e) => {
+                log::warn!("http accept: {e}");
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let app = app.clone();
+        tokio::spawn(async move {
+            let svc = service_fn(move |req| http::handle(app.clone(), req));
+            if let Err(e) = http1::Builder::new().serve_connection(TokioIo::new(stream), svc).await {
+                log::debug!("http connection: {e}");
+            }
+        });
+    }
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    let term = async {
+        if let Ok(mut term) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            term.recv().await;
+        } else {
+            std::future::pending::<()>().await;
+        }
+    };
+    tokio::select! {
+        _ = ctrl_c => {}
+        _ = term => {}
+    }
+}
