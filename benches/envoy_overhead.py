@@ -31,9 +31,9 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests" / "integration"))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from harness import Envoy, free_port, render_config, wait_for  # noqa: E402
-from kvfeed import FeedServer, FeedState  # noqa: E402
+from harness.kvfeed import FeedServer, FeedState  # noqa: E402
 
 N_WORKERS = 16
 # The Envoy under test gets core 0 to itself; this script, its load generator, the feed
@@ -276,7 +276,6 @@ def main():
           "| p50 ms | p99 ms | shared reads/req |")
     print("|---|---|---|---:|---:|---|---:|---:|---:|---:|---:|")
     for row in results:
-        plain = row["plain"]
         for v in variants:
             r = row[v]
             print(f"| {row['tokens']} | {row['encoding']} | {v} | {r['rps']:.0f} | {r['ratio']:.2f} | "

@@ -32,7 +32,7 @@ import sys
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "integration"))
+sys.path.insert(0, str(ROOT))
 from harness import (FLEET, Envoy, Processes, free_port, render_config, reset_fleet,  # noqa: E402
                      start_fleet, wait_synced)
 

@@ -29,12 +29,12 @@ import threading
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "integration"))
+sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benches"))
 import msgspec  # noqa: E402
 from envoy_overhead import Port, Upstream  # noqa: E402
-from harness import Envoy, Sidecar, free_port, render_config, wait_for  # noqa: E402
-from kvevents import Publisher, batch, removed, stored  # noqa: E402
+from harness import Envoy, Sidecar, free_port, render_config  # noqa: E402
+from harness.kvevents import Publisher, batch, removed, stored  # noqa: E402
 
 N_WORKERS = 16
 CHAIN = 64          # blocks per background BlockStored

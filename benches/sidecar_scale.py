@@ -19,13 +19,13 @@ import time
 import urllib.request
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "integration"))
+sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benches"))
 import msgspec  # noqa: E402
 import zmq  # noqa: E402
 from envoy_overhead import Port  # noqa: E402
 from harness import WASM, Envoy, Sidecar, free_port, render_config, wait_for  # noqa: E402
-from kvevents import batch, stored  # noqa: E402
+from harness.kvevents import batch, stored  # noqa: E402
 
 CHAIN = 64
 

@@ -21,7 +21,7 @@ import sys
 import urllib.request
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "integration"))
+sys.path.insert(0, str(ROOT))
 from harness import (FLEET, Envoy, Processes, render_config, reset_fleet, start_fleet,  # noqa: E402
                      wait_synced)
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Event payloads for the ingest benchmark, encoded by msgspec exactly as the engines publish
-them (tests/integration/kvevents.py has each release's struct definitions; FORM is one of
+them (harness/kvevents.py has each release's struct definitions; FORM is one of
 its names, e.g. vllm-0.33, vllm-0.22, sglang-0.5.22).
 
     python3 sidecar/benches/make_events.py OUT [FORM] [BLOCKS]
@@ -15,9 +15,9 @@ import random
 import struct
 import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "tests" / "integration"))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 import msgspec  # noqa: E402
-from kvevents import FORMS, batch, stored  # noqa: E402
+from harness.kvevents import FORMS, batch, stored  # noqa: E402
 
 WORKERS = 16
 CHAIN_BLOCKS = 64

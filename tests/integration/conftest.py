@@ -1,9 +1,14 @@
 import contextlib
+import pathlib
+import sys
 
 import pytest
 
-from harness import Envoy, Worker, render_config, wait_for
-from kvfeed import FeedServer, FeedState
+# The processes these tests run are shared with the demo and the benchmarks: harness/.
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
+from harness import Envoy, render_config, wait_for  # noqa: E402
+from harness.kvfeed import FeedServer, FeedState  # noqa: E402
+from upstream import Worker  # noqa: E402
 
 
 class Setup:

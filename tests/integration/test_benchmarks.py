@@ -33,7 +33,8 @@ def test_routing_quality_runs_every_policy(tmp_path):
 def test_the_prefix_hash_ring_is_the_same_every_run():
     """The prefix-hash baseline places workers on Envoy's ring by index, not by their
     (random) ports: the same header value reaches the same worker index in every run."""
-    from harness import PREFIX_HASH_HEADER, Envoy, Worker, free_port, render_config
+    from harness import PREFIX_HASH_HEADER, Envoy, free_port, render_config
+    from upstream import Worker
 
     def layout():
         workers = [Worker() for _ in range(4)]

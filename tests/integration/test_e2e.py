@@ -7,8 +7,9 @@ import time
 
 import pytest
 
-from harness import Envoy, Sidecar, Worker, free_port, render_config, wait_for, wait_synced
-from kvevents import Publisher, batch, chain_events, stored
+from harness import Envoy, Sidecar, free_port, render_config, wait_for, wait_synced
+from harness.kvevents import Publisher, batch, chain_events, stored
+from upstream import Worker
 
 
 def tokens(prefix, n):

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from harness import ENVOY_YAML, ROOT, envoy_binary, wait_for
-from kvfeed import block_hashes, namespace
+from harness.kvfeed import block_hashes, namespace
 
 
 def tokens(prefix, n):

@@ -246,7 +246,7 @@ def test_ctrl_c_also_ends_a_child_no_object_holds():
     import sys
     from harness import ROOT
     script = ("import subprocess, sys, time\n"
-              f"sys.path.insert(0, {str(ROOT / 'tests' / 'integration')!r})\n"
+              f"sys.path.insert(0, {str(ROOT)!r})\n"
               "from harness import Processes\n"
               "procs = Processes()\n"
               "print(subprocess.Popen(['sleep', '60']).pid, flush=True)\n"

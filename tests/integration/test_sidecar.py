@@ -9,12 +9,11 @@ import time
 
 import msgspec
 import pytest
-import zmq
 
 import engine_wheels
 from harness import SIDECAR, Sidecar, free_port, wait_for
-from kvevents import FORMS, Publisher, batch, chain_events, cleared, removed, stored
-from kvfeed import OP_STORE, OP_STORE_OFFLOADED, SNAPSHOT_START, decode_frame, feed_blocks, namespace
+from harness.kvevents import FORMS, Publisher, batch, chain_events, cleared, removed, stored
+from harness.kvfeed import OP_STORE, OP_STORE_OFFLOADED, SNAPSHOT_START, decode_frame, feed_blocks, namespace
 
 
 def tokens(prefix, n):

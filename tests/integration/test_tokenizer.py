@@ -10,8 +10,9 @@ import urllib.request
 import openai
 import pytest
 
-from harness import ROOT, TOKENIZER_DIR, Envoy, Tokenizer, Worker, render_config, wait_for
-from kvfeed import FeedServer, FeedState, namespace
+from harness import ROOT, TOKENIZER_DIR, Envoy, Tokenizer, render_config, wait_for
+from harness.kvfeed import FeedServer, FeedState, namespace
+from upstream import Worker
 
 GOLDEN = {c["name"]: c for c in json.loads((ROOT / "tests/vectors/tokenizer/qwen3.json").read_text())["cases"]}
 DEBUG = "x-kvroute-debug"

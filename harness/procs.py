@@ -1,0 +1,129 @@
+"""Starting, waiting for and stopping processes, so that nothing is left behind."""
+import contextlib
+import os
+import pathlib
+import shutil
+import socket
+import subprocess
+import time
+import urllib.request
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ready_or_stop(server, wait):
+    """Runs `wait`; if it does not return (an error, or Ctrl-C: a script's signal handler
+    only stops the servers it was handed), stops `server` so no process is left behind."""
+    try:
+        wait()
+    except BaseException:
+        server.stop()
+        raise
+
+
+def wait_http_ok(proc, url, what, logs, timeout):
+    """Until `url` answers 200; an error with the process's log if it exits or never does."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited {proc.returncode}:\n{logs()}")
+        try:
+            with urllib.request.urlopen(url, timeout=1) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.05)
+    raise RuntimeError(f"{what} not ready:\n{logs()}")
+
+
+def stop_process(proc, log, tmpdir, kill=False):
+    """Ends a process we started (SIGTERM, or SIGKILL if `kill` or it lingers), closes its
+    log and removes its temporary directory."""
+    if proc.poll() is None:
+        proc.kill() if kill else proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    log.close()
+    shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def wait_for(predicate, timeout=10, interval=0.05, what="condition"):
+    deadline = time.time() + timeout
+    last = None
+    while time.time() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out waiting for {what} (last: {last!r})")
+
+
+class Processes:
+    """What a script started (engines, sidecars, Envoys): stopped in reverse order by
+    stop_all(), which SIGINT and SIGTERM also call before exiting."""
+
+    def __init__(self):
+        import signal
+        import sys
+        self.items = []
+
+        def on_signal(signum, _frame):
+            self.stop_all()
+            end_children()
+            sys.exit(128 + signum)
+
+        signal.signal(signal.SIGINT, on_signal)
+        signal.signal(signal.SIGTERM, on_signal)
+
+    def add(self, p):
+        self.items.append(p)
+        return p
+
+    def stop(self, p):
+        p.stop()
+        self.items.remove(p)
+
+    def stop_all(self):
+        for p in reversed(self.items):
+            try:
+                p.stop()
+            except Exception:  # noqa: BLE001 — best effort: stop the rest
+                pass
+        self.items.clear()
+
+
+def end_children(grace=10):
+    """SIGTERM (SIGKILL after `grace` seconds) to every child this process still has. A
+    signal that lands while subprocess.Popen waits for its child's exec raises out of
+    Popen and leaves a running child no object holds."""
+    import signal
+    me = os.getpid()
+    children = []
+    for p in pathlib.Path("/proc").iterdir():
+        try:
+            if p.name.isdigit() and int((p / "stat").read_text().rsplit(")", 1)[1].split()[1]) == me:
+                children.append(int(p.name))
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
+    for pid in children:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.time() + grace
+    for pid in children:
+        try:
+            while os.waitpid(pid, os.WNOHANG) == (0, 0):
+                if time.time() > deadline:
+                    os.kill(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)
+                    break
+                time.sleep(0.02)
+        except (ChildProcessError, ProcessLookupError):
+            pass  # already reaped
