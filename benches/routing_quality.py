@@ -17,9 +17,16 @@ offered load for every policy. One Zipf workload (zipf_busy) is loaded instead t
 what the fleet can serve at the oracle's hit rate: the load at which pinning a hot prefix
 to one engine starts to cost.
 
-    cargo build --release -p kvroute-sidecar -p kvroute-fleet
+Requests go the way real clients send them: the prompt's token ids in the body
+(`"prompt": [ids]`: tokenizing text would only measure this machine's CPU), through the
+tokenizer stage in front of every policy, which writes the token header kvroute reads.
+`--via header` runs the path from before the stage instead: no stage, the load generator
+writes the header itself (the two give the same routing: docs/benchmarks.md).
+
+    ./scripts/fetch-tokenizer.sh
+    cargo build --release -p kvroute-sidecar -p kvroute-fleet -p kvroute-tokenizer
     cargo build --target wasm32-unknown-unknown --release
-    python3 benches/routing_quality.py [--quick] [--out docs/routing-quality]
+    python3 benches/routing_quality.py [--quick] [--via stage|header] [--out docs/routing-quality]
 
 Writes results.json (every run's summary), one TTFT-CDF SVG per workload, hit-rate-vs-load
 SVG, and prints the tables as Markdown.
@@ -33,8 +40,8 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from harness import (FLEET, Envoy, Processes, free_port, render_config, reset_fleet,  # noqa: E402
-                     start_fleet, wait_synced)
+from harness import (FLEET, TOKENIZER_DIR, Envoy, Processes, Tokenizer, free_port, render_config,  # noqa: E402
+                     reset_fleet, start_fleet, wait_for, wait_synced)
 
 TRACE = ROOT.parent / "shared" / "data" / "mooncake" / "conversation_trace.jsonl"
 TRACE_SOURCE = ("the Mooncake FAST'25 conversation trace: kvcache-ai/Mooncake, "
@@ -169,15 +176,26 @@ def main():
     ap.add_argument("--trace-requests", type=int, default=2000)
     ap.add_argument("--quick", action="store_true", help="two workloads only")
     ap.add_argument("--workloads", help="comma-separated workload names to run (results merge into results.json)")
+    ap.add_argument("--policies", help="comma-separated policy labels to run (default: all)")
+    ap.add_argument("--via", choices=("stage", "header"), default="stage",
+                    help="stage: token-id bodies through the tokenizer stage; header: the client writes the token header")
     ap.add_argument("--out", default=str(ROOT / "target" / "routing-quality"))
     args = ap.parse_args()
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
+    chosen = policies(args.tuned_weight)
+    if args.policies:
+        wanted = args.policies.split(",")
+        unknown = set(wanted) - {p[0] for p in chosen}
+        if unknown:
+            sys.exit(f"unknown policies: {', '.join(sorted(unknown))}")
+        chosen = [p for p in chosen if p[0] in wanted]
+
     procs = Processes()
     t_start = time.time()
     results = []
-    fleet = {"settings": None, "engines": [], "sidecar": None}
+    fleet = {"settings": None, "engines": [], "sidecar": None, "stage": None}
     try:
         port = free_port()
         for wname, level, wargs, settings in workloads(args):
@@ -186,31 +204,49 @@ def main():
                 for p in [fleet["sidecar"], *fleet["engines"]]:
                     if p is not None:
                         procs.stop(p)
+                if fleet["stage"] is not None:
+                    procs.stop(fleet["stage"])
                 engines, sidecar = start_fleet(procs, args.workers, settings["blocks"], settings["speedup"])
-                fleet.update(settings=settings, engines=engines, sidecar=sidecar)
-            engines, sidecar = fleet["engines"], fleet["sidecar"]
+                # The stage is told the engines' max_model_len (what their KV cache holds).
+                stage = procs.add(Tokenizer(models=[("mock-llm", TOKENIZER_DIR, [])],
+                                            max_model_len=settings["blocks"] * 16)) if args.via == "stage" else None
+                fleet.update(settings=settings, engines=engines, sidecar=sidecar, stage=stage)
+            engines, sidecar, stage = fleet["engines"], fleet["sidecar"], fleet["stage"]
             speedup = settings["speedup"]
-            for label, policy, fcfg in policies(args.tuned_weight):
+            for label, policy, fcfg in chosen:
                 reset_fleet(engines, sidecar)
-                filter_cfg = {"token_header": "x-prompt-token-ids", "block_size": 16}
+                filter_cfg = {"block_size": 16}
                 filter_cfg.update(fcfg or {})
                 cfg, lp, adm = render_config(engines, sidecar.port, filter_cfg, listener_port=port, policy=policy,
-                                             sync_config={"poll_timeout_ms": 5000, "stale_after_ms": 15000})
+                                             sync_config={"poll_timeout_ms": 5000, "stale_after_ms": 15000},
+                                             tokenizer_port=stage.grpc_port if stage else None)
                 envoy = procs.add(Envoy(cfg, lp, adm, concurrency=2))
                 if policy == "kvroute":
                     wait_synced(envoy, sidecar)
                 path = out / f"{wname}.{label}.json"
                 cmd = [str(FLEET), "load", "--target", f"127.0.0.1:{port}", "--label", label, "--seed", "7",
                        "--json", str(path), "--quiet", "--prefix-hash-blocks", str(args.prefix_hash_blocks), *wargs]
+                if args.via == "header":
+                    cmd.append("--token-header")
                 for e in engines:
                     cmd += ["--engine", e.id]
+                tokenized = stage.outcome("tokenized") if stage else 0
                 t0 = time.time()
                 subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-                procs.stop(envoy)
                 r = json.loads(path.read_text())
                 samples = r.pop("samples")
+                # How many requests kvroute scored by their blocks (0 for Envoy's policies),
+                # and how many the stage tokenized: a run that silently routed by load shows.
+                scored = 0
+                if policy == "kvroute":
+                    # The filters' counters reach Envoy on their next tick.
+                    wait_for(lambda: envoy.stat("kvroute.requests") >= r["requests"], what="the filters' counters")
+                    scored = envoy.stat("kvroute.scored")
+                procs.stop(envoy)
                 r.update({"workload": wname, "load": level, "policy": label, "wall_s": round(time.time() - t0, 1),
-                          "speedup": speedup, "blocks_per_worker": settings["blocks"]})
+                          "speedup": speedup, "blocks_per_worker": settings["blocks"], "via": args.via,
+                          "scored": scored,
+                          "tokenized": int(stage.outcome("tokenized") - tokenized) if stage else None})
                 results.append(r)
                 print(f"{wname:18} {label:26} hit {r['hit_rate']:.2f}/{r['oracle_hit_rate']:.2f} "
                       f"ttft p50 {r['ttft_ms']['p50'] * speedup:7.0f} p99 {r['ttft_ms']['p99'] * speedup:7.0f} ms "
@@ -219,7 +255,7 @@ def main():
                 (out / f"{wname}.{label}.samples.json").write_text(json.dumps(
                     {"label": label, "samples": [{"ok": s["ok"], "ttft_ms": s["ttft_ms"] * speedup} for s in samples]}))
                 path.unlink()
-            sample_files = [out / f"{wname}.{p[0]}.samples.json" for p in policies(args.tuned_weight)]
+            sample_files = [out / f"{wname}.{p[0]}.samples.json" for p in chosen]
             subprocess.run([str(FLEET), "plot", *map(str, sample_files), "--out", str(out / f"ttft-{wname}.svg"),
                             "--title", f"TTFT, {wname} (model time)"], check=True)
             for f in sample_files:  # the plot has them; results.json keeps the summaries

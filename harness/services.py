@@ -145,15 +145,18 @@ class Tokenizer:
 
 class MockEngine:
     """A kvroute-fleet mock engine (vLLM's API, prefix cache and KV events).
-    events/replay: ZMQ endpoints to publish on (None: no events)."""
+    events/replay: ZMQ endpoints to publish on (None: no events); tokenizer: a tokenizer
+    directory (text prompts and chats tokenized as vLLM does), None: token ids only."""
 
-    def __init__(self, events=None, replay=None, args=(), port=None, topic=None):
+    def __init__(self, events=None, replay=None, args=(), port=None, topic=None, tokenizer=None):
         if not FLEET.exists():
             raise RuntimeError(f"{FLEET} missing: build it with `cargo build --release -p kvroute-fleet`")
         self.port = port or free_port()
         self.id = f"127.0.0.1:{self.port}"
         self.events, self.replay = events, replay
         cmd = [str(FLEET), "worker", "--port", str(self.port), *args]
+        if tokenizer is not None:
+            cmd += ["--tokenizer", str(tokenizer)]
         if events:
             cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events}
             if replay:
@@ -197,13 +200,13 @@ class MockEngine:
         stop_process(self.proc, self.log, self.dir)
 
 
-def start_fleet(procs, n, blocks, speedup):
+def start_fleet(procs, n, blocks, speedup, tokenizer=None):
     """n mock engines publishing KV events (with replay), and a sidecar subscribed to
-    them; returns (engines, sidecar)."""
+    them; returns (engines, sidecar). tokenizer: the engines' tokenizer directory."""
     engines, specs = [], []
     for _ in range(n):
         ev, rp = free_port(), free_port()
-        e = procs.add(MockEngine(events=f"tcp://*:{ev}", replay=f"tcp://*:{rp}",
+        e = procs.add(MockEngine(events=f"tcp://*:{ev}", replay=f"tcp://*:{rp}", tokenizer=tokenizer,
                                  args=["--num-gpu-blocks", str(blocks), "--speedup", str(speedup)]))
         engines.append(e)
         specs.append((e.id, f"tcp://127.0.0.1:{ev}", f"tcp://127.0.0.1:{rp}", "both"))

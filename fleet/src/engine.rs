@@ -119,6 +119,8 @@ pub struct Engine {
     aborted: Vec<u64>,
     /// Counters for `/metrics`.
     pub stats: EngineStats,
+    /// What tokens are generated from (empty: any ordinary id).
+    output_words: Vec<u32>,
 }
 
 #[derive(Debug, Default, Clone)]
@@ -131,11 +133,15 @@ pub struct EngineStats {
     pub busy: Duration,
 }
 
-/// A generated token: deterministic in the request and position, in a range ordinary
-/// vocabularies have.
-fn output_token(id: u64, pos: usize) -> u32 {
+/// A generated token: deterministic in the request and position; one of `words` (the
+/// tokenizer's one-token words, so the answer reads back as the same ids), or without a
+/// tokenizer an id in the range ordinary vocabularies have.
+fn output_token(words: &[u32], id: u64, pos: usize) -> u32 {
     let h = xxhash_rust::xxh3::xxh3_64_with_seed(&(pos as u64).to_le_bytes(), id);
-    1000 + (h % 30_000) as u32
+    match words.len() {
+        0 => 1000 + (h % 30_000) as u32,
+        n => words[(h % n as u64) as usize],
+    }
 }
 
 impl Engine {
@@ -148,7 +154,14 @@ impl Engine {
             running: Vec::new(),
             aborted: Vec::new(),
             stats: EngineStats::default(),
+            output_words: Vec::new(),
         }
+    }
+
+    /// Generates tokens from these ids (see [`output_token`]).
+    pub fn with_output_words(mut self, ids: Vec<u32>) -> Engine {
+        self.output_words = ids;
+        self
     }
 
     /// Drops a request (its client went away) before the next step; its blocks are freed.
@@ -261,7 +274,7 @@ impl Engine {
         let bs = self.cache.block_size();
         let mut finished = Vec::new();
         for (i, r) in self.running.iter_mut().enumerate().take(plan.decoding) {
-            let token = output_token(r.req.id, r.generated);
+            let token = output_token(&self.output_words, r.req.id, r.generated);
             r.tokens.push(token);
             r.generated += 1;
             self.stats.generation_tokens += 1;
@@ -287,7 +300,7 @@ impl Engine {
             let cached = (p.alloc.hit_blocks * bs).min(p.req.prompt.len());
             self.stats.prompt_tokens += p.req.prompt.len() as u64;
             self.stats.cached_prompt_tokens += cached as u64;
-            let token = output_token(p.req.id, 0);
+            let token = output_token(&self.output_words, p.req.id, 0);
             out.push(Output::FirstToken { id: p.req.id, token, cached_tokens: cached });
             self.stats.generation_tokens += 1;
             let mut tokens = p.req.prompt.clone();

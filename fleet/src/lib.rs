@@ -5,8 +5,9 @@
 //! - [`kvcache`]: the paged prefix cache and its KV events;
 //! - [`engine`]: the scheduler and timing model;
 //! - [`kvevents`]: vLLM's KV-event wire format and publisher;
-//! - [`worker`]: the mock engine's HTTP server (vLLM's OpenAI API);
-//! - [`tokenizer`]: the deterministic tokenizer engines and load share;
+//! - [`worker`]: the mock engine's HTTP server (vLLM's OpenAI API), [`prompts`]: what it
+//!   reads from a request (the prompt's token ids, as vLLM computes them);
+//! - [`text`]: a real tokenizer's one-token words, for text the fleet writes;
 //! - [`workload`], [`load`], [`plot`]: the load generator and its reports.
 
 pub mod engine;
@@ -14,7 +15,8 @@ pub mod kvcache;
 pub mod kvevents;
 pub mod load;
 pub mod plot;
-pub mod tokenizer;
+pub mod prompts;
+pub mod text;
 pub mod worker;
 pub mod workload;
 

@@ -1,9 +1,14 @@
-//! The load generator: sends a workload through the gateway as an OpenAI client would,
-//! acting as the tokenizer stage in front of it (the token header carries the prompt's
-//! ids), and measures what users feel: time to first token, end-to-end latency, which
-//! worker served, how much of the prompt was cached.
+//! The load generator: sends a workload through the gateway as an OpenAI client does (the
+//! prompt in the body: token ids, text, or chat messages; the gateway's tokenizer stage
+//! works out the token ids), and measures what users feel: time to first token,
+//! end-to-end latency, which worker served, how much of the prompt was cached.
+//!
+//! Workloads are planned in token ids; text is written from them with the tokenizer's
+//! one-token words ([`crate::text`]), so shared planned prefixes are shared text. Every
+//! request asks for vLLM's `return_token_ids`: the engine's own prompt ids are what the
+//! oracle hit rate is computed on.
 
-use crate::tokenizer;
+use crate::text::Words;
 use crate::workload::{self, Chat, Planned, Popularity, Rng, SharedPrefix};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
@@ -21,11 +26,37 @@ pub enum WorkloadKind {
     Mooncake,
 }
 
+/// How a prompt is sent.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PromptForm {
+    /// `/v1/completions` with `"prompt": [token ids]`.
+    Tokens,
+    /// `/v1/completions` with `"prompt": "text"`.
+    Text,
+    /// `/v1/chat/completions` with `messages` (a chat's turns as user and assistant messages).
+    Chat,
+}
+
 #[derive(clap::Args, Debug, Clone)]
 pub struct LoadArgs {
     /// The gateway (Envoy's listener), host:port.
     #[arg(long, default_value = "127.0.0.1:8000")]
     pub target: String,
+    /// How prompts are sent: token ids, text or chat messages in the body.
+    #[arg(long = "send", value_enum, default_value_t = PromptForm::Tokens)]
+    pub form: PromptForm,
+    /// The `model` every request names.
+    #[arg(long, default_value = "mock-llm")]
+    pub model: String,
+    /// The tokenizer directory whose words text is written in (`--send text` and `chat`;
+    /// the engines' and the stage's tokenizer).
+    #[arg(long)]
+    pub tokenizer: Option<std::path::PathBuf>,
+    /// Also send the prompt's token ids in `x-prompt-token-ids-b64` (base64 of u32 LE), as
+    /// a client-side tokenizer would: how kvroute was driven before the tokenizer stage.
+    /// The stage removes the header unless it trusts client tokens.
+    #[arg(long)]
+    pub token_header: bool,
     #[arg(long, value_enum, default_value_t = WorkloadKind::SharedPrefix)]
     pub workload: WorkloadKind,
     /// Requests (shared prefix: groups × prompts per group; mooncake: the first N).
@@ -102,6 +133,9 @@ pub struct Sample {
     #[serde(skip)]
     pub answer: String,
     #[serde(skip)]
+    pub answer_ids: Vec<u32>,
+    /// The prompt's ids: the engine's (`return_token_ids`), else the planned ones.
+    #[serde(skip)]
     pub prompt: Vec<u32>,
 }
 
@@ -148,16 +182,113 @@ fn round2(x: f64) -> f64 {
     (x * 100.0).round() / 100.0
 }
 
-/// How to send: the gateway, and which routing headers the "tokenizer stage" writes.
+/// A request's prompt, as the client puts it in the body.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Body {
+    Tokens(Vec<u32>),
+    Text(String),
+    Chat(Vec<(&'static str, String)>),
+}
+
+impl Body {
+    fn path(&self) -> &'static str {
+        match self {
+            Body::Chat(_) => "/v1/chat/completions",
+            Body::Tokens(_) | Body::Text(_) => "/v1/completions",
+        }
+    }
+
+    fn json(&self, model: &str, max_tokens: usize) -> Value {
+        let mut v = json!({"model": model, "max_tokens": max_tokens, "stream": true, "return_token_ids": true});
+        match self {
+            Body::Tokens(ids) => v["prompt"] = json!(ids),
+            Body::Text(t) => v["prompt"] = json!(t),
+            Body::Chat(m) => {
+                v["messages"] = m.iter().map(|(role, content)| json!({"role": role, "content": content})).collect()
+            }
+        }
+        v
+    }
+}
+
+/// A prompt being built, turn by turn: its planned ids and its body.
+#[derive(Debug, Clone)]
+pub struct Conversation {
+    pub planned: Vec<u32>,
+    pub body: Body,
+}
+
+/// Writes planned prompts in the chosen form.
+pub struct Writer {
+    form: PromptForm,
+    words: Option<Words>,
+}
+
+impl Writer {
+    pub fn new(form: PromptForm, words: Option<Words>) -> Result<Writer, String> {
+        if form != PromptForm::Tokens && words.is_none() {
+            return Err("--send text and --send chat need --tokenizer (the words text is written in)".into());
+        }
+        Ok(Writer { form, words })
+    }
+
+    fn text(&self, planned: &[u32]) -> String {
+        self.words.as_ref().map(|w| w.text(planned)).unwrap_or_default()
+    }
+
+    /// A first prompt: the whole planned prompt (a chat: its first `system_len` tokens as a
+    /// system message, the rest as a user message).
+    pub fn start(&self, planned: Vec<u32>, system_len: usize) -> Conversation {
+        let body = match self.form {
+            PromptForm::Tokens => Body::Tokens(planned.clone()),
+            PromptForm::Text => Body::Text(self.text(&planned)),
+            PromptForm::Chat => {
+                let (system, user) = planned.split_at(system_len.min(planned.len()));
+                let mut m = Vec::with_capacity(2);
+                if !system.is_empty() {
+                    m.push(("system", self.text(system)));
+                }
+                m.push(("user", self.text(user)));
+                Body::Chat(m)
+            }
+        };
+        Conversation { planned, body }
+    }
+
+    /// The next turn: everything so far, the answer, then a new question.
+    pub fn next_turn(&self, c: &mut Conversation, answer: &Sample, question: &[u32]) {
+        c.planned.extend(&answer.answer_ids);
+        c.planned.extend(question);
+        match &mut c.body {
+            Body::Tokens(ids) => {
+                ids.extend(&answer.answer_ids);
+                ids.extend(question);
+            }
+            Body::Text(t) => {
+                t.push_str(&answer.answer);
+                t.push_str(&self.text(question));
+            }
+            Body::Chat(m) => {
+                m.push(("assistant", answer.answer.clone()));
+                m.push(("user", self.text(question)));
+            }
+        }
+    }
+}
+
+/// How to send: the gateway, the model, which headers a client-side tokenizer writes.
 #[derive(Clone)]
 pub struct Sender {
     pub target: String,
+    pub model: String,
+    pub token_header: bool,
     pub prefix_hash_blocks: usize,
     pub start: Instant,
 }
 
-/// Sends one completion request, streaming, and measures it.
-pub async fn send(sender: &Sender, prompt: &[u32], max_tokens: usize, key: u64) -> Sample {
+/// Sends one request, streaming, and measures it. `planned`: the prompt's planned ids
+/// (for the headers, and as the prompt if the engine does not return its own).
+pub async fn send(sender: &Sender, planned: &[u32], body: &Body, max_tokens: usize, key: u64) -> Sample {
     let target = sender.target.as_str();
     let t0 = Instant::now();
     let mut s = Sample {
@@ -165,12 +296,13 @@ pub async fn send(sender: &Sender, prompt: &[u32], max_tokens: usize, key: u64) 
         ok: false,
         ttft_ms: 0.0,
         e2e_ms: 0.0,
-        prompt_tokens: prompt.len(),
+        prompt_tokens: planned.len(),
         cached_tokens: 0,
         worker: String::new(),
         sent_s: t0.duration_since(sender.start).as_secs_f64(),
         answer: String::new(),
-        prompt: prompt.to_vec(),
+        answer_ids: Vec::new(),
+        prompt: planned.to_vec(),
     };
     let result: Result<(), String> = async {
         let stream = tokio::net::TcpStream::connect(target).await.map_err(|e| e.to_string())?;
@@ -179,18 +311,21 @@ pub async fn send(sender: &Sender, prompt: &[u32], max_tokens: usize, key: u64) 
             .await
             .map_err(|e| e.to_string())?;
         tokio::spawn(conn);
-        let body = json!({"model": "mock-llm", "prompt": prompt, "max_tokens": max_tokens, "stream": true}).to_string();
-        let mut req = hyper::Request::post("/v1/completions")
-            .header("host", target)
-            .header("content-type", "application/json")
-            .header("x-prompt-token-ids-b64", kvroute::tokens::encode_base64(prompt));
-        if sender.prefix_hash_blocks > 0 {
-            req = req.header("x-prefix-hash", prefix_hash(prompt, sender.prefix_hash_blocks));
+        let mut req =
+            hyper::Request::post(body.path()).header("host", target).header("content-type", "application/json");
+        if sender.token_header {
+            req = req.header("x-prompt-token-ids-b64", kvroute::tokens::encode_base64(planned));
         }
-        let req = req.body(Full::new(Bytes::from(body))).map_err(|e| e.to_string())?;
+        if sender.prefix_hash_blocks > 0 {
+            req = req.header("x-prefix-hash", prefix_hash(planned, sender.prefix_hash_blocks));
+        }
+        let payload = body.json(&sender.model, max_tokens).to_string();
+        let req = req.body(Full::new(Bytes::from(payload))).map_err(|e| e.to_string())?;
         let resp = tx.send_request(req).await.map_err(|e| e.to_string())?;
         if resp.status() != hyper::StatusCode::OK {
-            return Err(format!("status {}", resp.status()));
+            let status = resp.status();
+            let why = resp.into_body().collect().await.map(|b| b.to_bytes()).unwrap_or_default();
+            return Err(format!("status {status}: {}", String::from_utf8_lossy(&why[..why.len().min(300)])));
         }
         let mut body = resp.into_body();
         let mut buf = String::new();
@@ -209,9 +344,7 @@ pub async fn send(sender: &Sender, prompt: &[u32], max_tokens: usize, key: u64) 
                     s.ttft_ms = t0.elapsed().as_secs_f64() * 1000.0;
                 }
                 let v: Value = serde_json::from_str(payload).map_err(|e| e.to_string())?;
-                if let Some(t) = v.pointer("/choices/0/text").and_then(Value::as_str) {
-                    s.answer.push_str(t);
-                }
+                read_chunk(&v, &mut s);
                 last = Some(v);
             }
         }
@@ -224,7 +357,26 @@ pub async fn send(sender: &Sender, prompt: &[u32], max_tokens: usize, key: u64) 
     .await;
     s.e2e_ms = t0.elapsed().as_secs_f64() * 1000.0;
     s.ok = result.is_ok();
+    if let Err(e) = result {
+        log::debug!("request failed: {e}");
+    }
     s
+}
+
+/// One streamed chunk: its text and ids, and the prompt's ids if it carries them (the
+/// first: top level in a chat chunk, in the choice in a completion chunk).
+fn read_chunk(v: &Value, s: &mut Sample) {
+    let choice = v.pointer("/choices/0");
+    let text = choice.and_then(|c| c.pointer("/delta/content").or_else(|| c.get("text"))).and_then(Value::as_str);
+    s.answer.push_str(text.unwrap_or(""));
+    let ids = |v: Option<&Value>| -> Option<Vec<u32>> {
+        v?.as_array()?.iter().map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok())).collect()
+    };
+    s.answer_ids.extend(ids(choice.and_then(|c| c.get("token_ids"))).unwrap_or_default());
+    if let Some(p) = ids(v.get("prompt_token_ids")).or_else(|| ids(choice.and_then(|c| c.get("prompt_token_ids")))) {
+        s.prompt_tokens = p.len();
+        s.prompt = p;
+    }
 }
 
 /// `/metrics` of a mock engine, as name → value.
@@ -262,7 +414,18 @@ pub async fn run(args: LoadArgs) -> Result<Value, String> {
     let before = all_metrics(&args.engines).await;
     let progress = Arc::new(Progress { done: AtomicUsize::new(0), failed: AtomicUsize::new(0) });
     let start = Instant::now();
-    let sender = Sender { target: args.target.clone(), prefix_hash_blocks: args.prefix_hash_blocks, start };
+    let words = match &args.tokenizer {
+        Some(dir) => Some(Words::load(dir)?),
+        None => None,
+    };
+    let writer = Arc::new(Writer::new(args.form, words)?);
+    let sender = Sender {
+        target: args.target.clone(),
+        model: args.model.clone(),
+        token_header: args.token_header,
+        prefix_hash_blocks: args.prefix_hash_blocks,
+        start,
+    };
     let (total, samples) = match args.workload {
         WorkloadKind::SharedPrefix | WorkloadKind::Mooncake => {
             let plan = plan(&args)?;
@@ -272,9 +435,10 @@ pub async fn run(args: LoadArgs) -> Result<Value, String> {
             for p in plan {
                 let sender = sender.clone();
                 let progress = progress.clone();
+                let c = writer.start(p.prompt, p.system_len);
                 handles.push(tokio::spawn(async move {
                     tokio::time::sleep_until(tokio::time::Instant::from_std(start + p.at)).await;
-                    let s = send(&sender, &p.prompt, p.max_tokens, p.key).await;
+                    let s = send(&sender, &c.planned, &c.body, p.max_tokens, p.key).await;
                     progress.done.fetch_add(1, Ordering::Relaxed);
                     if !s.ok {
                         progress.failed.fetch_add(1, Ordering::Relaxed);
@@ -306,20 +470,19 @@ pub async fn run(args: LoadArgs) -> Result<Value, String> {
                 let sender = sender.clone();
                 let progress = progress.clone();
                 let chat = chat.clone();
+                let writer = writer.clone();
                 let mut rng = Rng::new(args.seed ^ (c as u64 + 1).wrapping_mul(0x9E37_79B9));
                 handles.push(tokio::spawn(async move {
                     tokio::time::sleep_until(tokio::time::Instant::from_std(start + at)).await;
-                    let mut prompt = workload::random_tokens(&mut rng, chat.first_len);
+                    let mut conv = writer.start(workload::random_tokens(&mut rng, chat.first_len), 0);
                     let mut out = Vec::new();
                     for _ in 0..chat.turns {
-                        let s = send(&sender, &prompt, chat.output_len, c as u64).await;
+                        let s = send(&sender, &conv.planned, &conv.body, chat.output_len, c as u64).await;
                         progress.done.fetch_add(1, Ordering::Relaxed);
                         if !s.ok {
                             progress.failed.fetch_add(1, Ordering::Relaxed);
                         }
-                        // Next turn: everything so far, the answer, a new question.
-                        prompt.extend(tokenizer::tokenize(&s.answer));
-                        prompt.extend(workload::random_tokens(&mut rng, chat.question_len));
+                        writer.next_turn(&mut conv, &s, &workload::random_tokens(&mut rng, chat.question_len));
                         out.push(s);
                     }
                     out
@@ -421,6 +584,8 @@ fn summarize(
     json!({
         "label": args.label,
         "workload": format!("{:?}", args.workload),
+        "sent_as": format!("{:?}", args.form).to_lowercase(),
+        "token_header": args.token_header,
         "requests": samples.len(),
         "failed": samples.len() - ok.len(),
         "duration_s": round2(elapsed),
@@ -453,6 +618,7 @@ mod tests {
             worker: String::new(),
             sent_s,
             answer: String::new(),
+            answer_ids: Vec::new(),
             prompt,
         }
     }
@@ -468,5 +634,59 @@ mod tests {
         // The same prompt twice: the second hits all but its last token.
         assert_eq!(oracle_hit_rate(&[sample(a.clone(), 0.0), sample(a, 1.0)]), 63.0 / 128.0);
         assert_eq!(prefix_hash(&b, 2), prefix_hash(&(0..40).collect::<Vec<u32>>(), 2));
+    }
+
+    #[test]
+    fn turns_are_written_in_each_form_and_chunks_read_back() {
+        let first: Vec<u32> = (1000..1040).collect();
+        let question: Vec<u32> = (2000..2008).collect();
+        let mut answer = sample(vec![], 0.0);
+        for chunk in [
+            // A chat stream's first chunk carries the prompt's ids at the top level.
+            json!({"prompt_token_ids": [7, 8, 9], "choices": [{"delta": {"content": " alpha"}, "token_ids": [11]}]}),
+            json!({"choices": [{"delta": {"content": " beta"}, "token_ids": [12]}]}),
+        ] {
+            read_chunk(&chunk, &mut answer);
+        }
+        assert_eq!(
+            (answer.answer.as_str(), &answer.answer_ids[..], &answer.prompt[..]),
+            (" alpha beta", &[11, 12][..], &[7, 8, 9][..])
+        );
+        let mut completion = sample(vec![], 0.0);
+        read_chunk(
+            &json!({"choices": [{"text": " x", "token_ids": [5], "prompt_token_ids": [1, 2]}]}),
+            &mut completion,
+        );
+        assert_eq!((completion.prompt_tokens, completion.answer.as_str()), (2, " x"));
+
+        let tokens = Writer::new(PromptForm::Tokens, None).unwrap();
+        let mut c = tokens.start(first.clone(), 0);
+        tokens.next_turn(&mut c, &answer, &question);
+        let expect: Vec<u32> = first.iter().chain(&[11, 12]).chain(&question).copied().collect();
+        assert_eq!((c.body.clone(), c.planned.clone()), (Body::Tokens(expect.clone()), expect.clone()));
+        assert_eq!(c.body.path(), "/v1/completions");
+        assert!(Writer::new(PromptForm::Chat, None).is_err(), "text needs a tokenizer's words");
+
+        let words = || Some(Words::of(&crate::text::test_model()).unwrap());
+        let chat = Writer::new(PromptForm::Chat, words()).unwrap();
+        let sys = chat.start(first.clone(), 30);
+        let Body::Chat(m) = &sys.body else { panic!() };
+        assert_eq!((m[0].0, m[0].1.split(' ').count(), m[1].0, m[1].1.split(' ').count()), ("system", 31, "user", 11));
+        let mut c = chat.start(first.clone(), 0);
+        chat.next_turn(&mut c, &answer, &question);
+        let Body::Chat(m) = &c.body else { panic!("{:?}", c.body) };
+        let roles: Vec<_> = m.iter().map(|(r, _)| *r).collect();
+        assert_eq!((roles, m[1].1.as_str()), (vec!["user", "assistant", "user"], " alpha beta"));
+        assert_eq!(m[0].1.split(' ').count(), 41);
+        let v = c.body.json("qwen3", 4);
+        assert_eq!((v["messages"][2]["role"].as_str(), v["return_token_ids"].as_bool()), (Some("user"), Some(true)));
+        assert_eq!(c.body.path(), "/v1/chat/completions");
+
+        let text = Writer::new(PromptForm::Text, words()).unwrap();
+        let mut c = text.start(first.clone(), 0);
+        text.next_turn(&mut c, &answer, &question);
+        let Body::Text(t) = &c.body else { panic!() };
+        assert!(t.contains(" alpha beta "), "{t}");
+        assert_eq!(c.planned, expect);
     }
 }

@@ -6,11 +6,12 @@
 use crate::engine::{Engine, Output, Request, Timing};
 use crate::kvcache::KvCache;
 use crate::kvevents::{encode_batch, KvEventsConfig, Publisher, WireForm};
-use crate::tokenizer;
+use crate::prompts::{Prompts, Refusal};
 use bytes::Bytes;
 use http_body_util::{combinators::BoxBody, BodyExt, Full};
 use hyper::body::{Body, Frame, Incoming};
 use hyper::{Method, Request as HttpRequest, Response, StatusCode};
+use kvroute_tokenizer::stage::Endpoint;
 use serde_json::{json, Value};
 use std::collections::HashMap;
 use std::convert::Infallible;
@@ -67,14 +68,21 @@ pub struct WorkerArgs {
     /// Run this many times faster than real time (every modelled duration is divided).
     #[arg(long, default_value_t = 1.0)]
     pub speedup: f64,
-    /// Request headers carrying token ids (the router's), used when present.
-    #[arg(long, default_value = "x-prompt-token-ids-b64")]
-    pub token_header_b64: String,
-    #[arg(long, default_value = "x-prompt-token-ids")]
-    pub token_header: String,
+    /// The tokenizer directory (vLLM's `--tokenizer`: `tokenizer.json`, `tokenizer_config.json`,
+    /// a chat template): text prompts and chats are tokenized as vLLM does. Without one the
+    /// engine takes token-id prompts only, as vLLM with `--skip-tokenizer-init`.
+    #[arg(long)]
+    pub tokenizer: Option<std::path::PathBuf>,
+    /// vLLM's `--max-model-len`; default: what the KV cache holds (blocks × block size).
+    #[arg(long)]
+    pub max_model_len: Option<usize>,
 }
 
 impl WorkerArgs {
+    pub fn max_model_len(&self) -> usize {
+        self.max_model_len.unwrap_or(self.num_gpu_blocks * self.block_size)
+    }
+
     pub fn timing(&self) -> Result<Timing, String> {
         let ms = |v: f64, name: &str| {
             if v.is_finite() && v >= 0.0 {
@@ -110,6 +118,7 @@ struct Shared {
     streams: Mutex<HashMap<u64, mpsc::UnboundedSender<Output>>>,
     next_id: AtomicU64,
     publisher: Option<Publisher>,
+    prompts: Prompts,
     started: Instant,
 }
 
@@ -142,24 +151,33 @@ pub async fn run(args: WorkerArgs) -> Result<(), String> {
     let addr: SocketAddr = format!("{}:{}", args.host, args.port)
         .parse()
         .map_err(|_| format!("bad --host/--port {}:{}", args.host, args.port))?;
+    let prompts = Prompts::new(&args.model, args.tokenizer.as_deref(), args.max_model_len())?;
+    let words = match prompts.model() {
+        Some(m) => crate::text::Words::of(m)?.ids().to_vec(),
+        None => Vec::new(),
+    };
     let listener = tokio::net::TcpListener::bind(addr).await.map_err(|e| format!("listen {addr}: {e}"))?;
     let local = listener.local_addr().map_err(|e| e.to_string())?;
     let shared = Arc::new(Shared {
         id: local.to_string(),
-        engine: Mutex::new(Engine::new(KvCache::new(args.block_size, args.num_gpu_blocks), timing)),
+        engine: Mutex::new(
+            Engine::new(KvCache::new(args.block_size, args.num_gpu_blocks), timing).with_output_words(words),
+        ),
         wake: Notify::new(),
         streams: Mutex::new(HashMap::new()),
         next_id: AtomicU64::new(1),
         publisher,
+        prompts,
         started: Instant::now(),
         args,
     });
     log::info!(
-        "mock engine {} on {local}: {} blocks of {} tokens, speedup {}, kv events {}",
+        "mock engine {} on {local}: {} blocks of {} tokens, speedup {}, tokenizer {}, kv events {}",
         shared.args.model,
         shared.args.num_gpu_blocks,
         shared.args.block_size,
         shared.args.speedup,
+        shared.args.tokenizer.as_ref().map_or("none (token ids only)".into(), |d| d.display().to_string()),
         if shared.publisher.is_some() { events.endpoint.as_str() } else { "off" }
     );
     tokio::spawn(drive(shared.clone()));
@@ -260,7 +278,7 @@ async fn handle(shared: Arc<Shared>, req: HttpRequest<Incoming>) -> Result<Resp,
             StatusCode::OK,
             "application/json",
             json!({"object": "list", "data": [{"id": shared.args.model, "object": "model", "owned_by": "kvroute-fleet",
-                   "max_model_len": shared.args.num_gpu_blocks * shared.args.block_size}]})
+                   "max_model_len": shared.args.max_model_len()}]})
             .to_string(),
         ),
         (Method::GET, "/metrics") => full(StatusCode::OK, "text/plain; version=0.0.4", metrics(&shared)),
@@ -275,72 +293,78 @@ async fn handle(shared: Arc<Shared>, req: HttpRequest<Incoming>) -> Result<Resp,
         }
         (Method::POST, "/v1/completions") => generate(shared, req, false).await,
         (Method::POST, "/v1/chat/completions") => generate(shared, req, true).await,
+        (Method::POST, "/tokenize") => tokenize(shared, req).await,
         (
             _,
-            "/health" | "/v1/models" | "/metrics" | "/reset_prefix_cache" | "/v1/completions" | "/v1/chat/completions",
+            "/health"
+            | "/v1/models"
+            | "/metrics"
+            | "/reset_prefix_cache"
+            | "/v1/completions"
+            | "/v1/chat/completions"
+            | "/tokenize",
         ) => error(StatusCode::METHOD_NOT_ALLOWED, "method not allowed"),
         _ => error(StatusCode::NOT_FOUND, "not found"),
     };
     Ok(resp)
 }
 
-/// The prompt's token ids: the router's token header if present, else the body's prompt
-/// (token ids, or text through the fleet's tokenizer).
-fn prompt_tokens(shared: &Shared, headers: &hyper::HeaderMap, body: &Value, chat: bool) -> Result<Vec<u32>, String> {
-    use kvroute::tokens::{decode_tokens, le_bytes_to_ids, TokenEncoding};
-    for (name, enc) in [
-        (&shared.args.token_header_b64, TokenEncoding::Base64LeU32),
-        (&shared.args.token_header, TokenEncoding::Decimal),
-    ] {
-        if let Some(v) = headers.get(name.as_str()) {
-            let mut le = Vec::new();
-            decode_tokens(v.as_bytes(), enc, 1 << 22, &mut le).map_err(|e| format!("{name}: {e}"))?;
-            return Ok(le_bytes_to_ids(&le));
-        }
+/// Requests are read whole, up to this size (vLLM has no such limit; a mock needs one).
+const MAX_BODY_BYTES: usize = 64 << 20;
+
+async fn read_body(req: HttpRequest<Incoming>) -> Result<Bytes, Resp> {
+    match http_body_util::Limited::new(req.into_body(), MAX_BODY_BYTES).collect().await {
+        Ok(b) => Ok(b.to_bytes()),
+        Err(_) => Err(error(StatusCode::BAD_REQUEST, "could not read the body (or it is over 64 MiB)")),
     }
-    if chat {
-        let msgs = body.get("messages").and_then(Value::as_array).ok_or("`messages` is required")?;
-        let mut out = Vec::with_capacity(msgs.len());
-        for m in msgs {
-            let role = m.get("role").and_then(Value::as_str).ok_or("each message needs a `role`")?;
-            let content = match m.get("content") {
-                Some(Value::String(s)) => s.clone(),
-                Some(Value::Array(parts)) => {
-                    parts.iter().filter_map(|p| p.get("text").and_then(Value::as_str)).collect::<Vec<_>>().join(" ")
-                }
-                _ => return Err("each message needs a `content`".into()),
-            };
-            out.push((role.to_string(), content));
-        }
-        return Ok(tokenizer::chat_prompt(&out));
+}
+
+fn refused(r: Refusal) -> Resp {
+    let status = match r {
+        Refusal::UnknownModel(_) => StatusCode::NOT_FOUND,
+        Refusal::BadRequest(_) => StatusCode::BAD_REQUEST,
+    };
+    error(status, &r.message())
+}
+
+/// Tokenizing can take milliseconds (a long uncached prompt): off the engine's thread.
+async fn off_thread<T: Send + 'static>(
+    shared: &Arc<Shared>,
+    work: impl FnOnce(&Prompts) -> Result<T, Refusal> + Send + 'static,
+) -> Result<T, Resp> {
+    let s = shared.clone();
+    match tokio::task::spawn_blocking(move || work(&s.prompts)).await {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(r)) => Err(refused(r)),
+        Err(e) => Err(error(StatusCode::INTERNAL_SERVER_ERROR, &format!("tokenizing failed: {e}"))),
     }
-    match body.get("prompt") {
-        Some(Value::String(s)) => Ok(tokenizer::tokenize(s)),
-        Some(Value::Array(a)) if a.iter().all(Value::is_u64) => a
-            .iter()
-            .map(|v| v.as_u64().and_then(|n| u32::try_from(n).ok()).ok_or_else(|| "token id out of range".to_string()))
-            .collect(),
-        Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => {
-            Ok(tokenizer::tokenize(a[0].as_str().unwrap_or("")))
-        }
-        _ => Err("`prompt` must be a string or a list of token ids".into()),
+}
+
+/// vLLM's `POST /tokenize`.
+async fn tokenize(shared: Arc<Shared>, req: HttpRequest<Incoming>) -> Resp {
+    let body = match read_body(req).await {
+        Ok(b) => b,
+        Err(r) => return r,
+    };
+    match off_thread(&shared, move |p| p.tokenize(&body)).await {
+        Ok(v) => full(StatusCode::OK, "application/json", v.to_string()),
+        Err(r) => r,
     }
 }
 
 async fn generate(shared: Arc<Shared>, req: HttpRequest<Incoming>, chat: bool) -> Resp {
-    let headers = req.headers().clone();
-    let body = match req.into_body().collect().await {
-        Ok(b) => b.to_bytes(),
-        Err(_) => return error(StatusCode::BAD_REQUEST, "could not read the body"),
+    let raw = match read_body(req).await {
+        Ok(b) => b,
+        Err(r) => return r,
     };
-    let body: Value = match serde_json::from_slice(&body) {
+    let body: Value = match serde_json::from_slice(&raw) {
         Ok(v) => v,
         Err(e) => return error(StatusCode::BAD_REQUEST, &format!("body is not JSON: {e}")),
     };
-    let prompt = match prompt_tokens(&shared, &headers, &body, chat) {
-        Ok(p) if !p.is_empty() => p,
-        Ok(_) => return error(StatusCode::BAD_REQUEST, "empty prompt"),
-        Err(e) => return error(StatusCode::BAD_REQUEST, &e),
+    let endpoint = if chat { Endpoint::ChatCompletions } else { Endpoint::Completions };
+    let prompt = match off_thread(&shared, move |p| p.prompt(endpoint, &raw)).await {
+        Ok(p) => p,
+        Err(r) => return r,
     };
     let max_tokens = body
         .get(if chat && body.get("max_completion_tokens").is_some() { "max_completion_tokens" } else { "max_tokens" })
@@ -348,13 +372,15 @@ async fn generate(shared: Arc<Shared>, req: HttpRequest<Incoming>, chat: bool) -
         .unwrap_or(16)
         .clamp(1, 1 << 16) as usize;
     let stream = body.get("stream").and_then(Value::as_bool).unwrap_or(false);
+    let return_token_ids = body.get("return_token_ids").and_then(Value::as_bool).unwrap_or(false);
     let id = shared.next_id.fetch_add(1, Ordering::Relaxed);
     let (tx, rx) = mpsc::unbounded_channel();
     shared.streams().insert(id, tx);
+    let prompt_ids = return_token_ids.then(|| prompt.clone());
     let prompt_len = prompt.len();
     shared.engine().submit(Request { id, prompt, max_tokens });
     shared.wake.notify_one();
-    let reply = Reply { shared: shared.clone(), id, chat, prompt_len, created: unix_secs() };
+    let reply = Reply { shared: shared.clone(), id, chat, prompt_len, prompt_ids, created: unix_secs() };
     if stream {
         reply.stream(rx)
     } else {
@@ -371,6 +397,8 @@ struct Reply {
     id: u64,
     chat: bool,
     prompt_len: usize,
+    /// The prompt's ids, when the request asked for them (vLLM's `return_token_ids`).
+    prompt_ids: Option<Vec<u32>>,
     created: u64,
 }
 
@@ -389,20 +417,34 @@ impl Reply {
                "prompt_tokens_details": {"cached_tokens": cached}})
     }
 
-    fn choice(&self, text: &str, finish: Option<&str>, chunk: bool) -> Value {
-        if self.chat {
+    /// One choice: its text (whole, or a chunk's delta), the ids it was decoded from (if
+    /// asked for), and for completions the prompt's ids in the first.
+    fn choice(&self, ids: &[u32], finish: Option<&str>, chunk: bool, first: bool) -> Value {
+        let text = self.shared.prompts.decode(ids);
+        let mut c = if self.chat {
             let key = if chunk { "delta" } else { "message" };
             json!({"index": 0, key: {"role": "assistant", "content": text}, "finish_reason": finish})
         } else {
             json!({"index": 0, "text": text, "finish_reason": finish})
+        };
+        if self.prompt_ids.is_some() {
+            c["token_ids"] = json!(ids);
+            if first && !self.chat {
+                c["prompt_token_ids"] = json!(self.prompt_ids);
+            }
         }
+        c
     }
 
-    fn envelope(&self, choice: Value, chunk: bool) -> Value {
-        json!({"id": format!("cmpl-{}-{}", self.shared.id, self.id), "object": self.object(chunk),
+    fn envelope(&self, choice: Value, chunk: bool, first: bool) -> Value {
+        let mut v = json!({"id": format!("cmpl-{}-{}", self.shared.id, self.id), "object": self.object(chunk),
                "created": self.created, "model": self.shared.args.model, "choices": [choice],
                // Not in vLLM: which mock engine answered (benchmarks read it).
-               "kvroute_worker": self.shared.id})
+               "kvroute_worker": self.shared.id});
+        if first && self.chat && self.prompt_ids.is_some() {
+            v["prompt_token_ids"] = json!(self.prompt_ids);
+        }
+        v
     }
 
     async fn whole(self, mut rx: mpsc::UnboundedReceiver<Output>) -> Resp {
@@ -420,7 +462,7 @@ impl Reply {
                 }
             }
         }
-        let mut v = self.envelope(self.choice(&tokenizer::detokenize(&tokens), Some("length"), false), false);
+        let mut v = self.envelope(self.choice(&tokens, Some("length"), false, true), false, true);
         v["usage"] = self.usage(tokens.len(), cached);
         full(StatusCode::OK, "application/json", v.to_string())
     }
@@ -431,24 +473,26 @@ impl Reply {
         tokio::spawn(async move {
             let (mut n, mut cached) = (0usize, 0usize);
             while let Some(o) = rx.recv().await {
-                let (text, finish) = match o {
+                let (token, finish) = match o {
                     Output::FirstToken { token, cached_tokens, .. } => {
                         cached = cached_tokens;
-                        n += 1;
-                        (tokenizer::detokenize(&[token]), None)
+                        (Some(token), None)
                     }
-                    Output::Token { token, .. } => {
-                        n += 1;
-                        (tokenizer::detokenize(&[token]), None)
-                    }
-                    Output::Finished { .. } => (String::new(), Some("length")),
+                    Output::Token { token, .. } => (Some(token), None),
+                    Output::Finished { .. } => (None, Some("length")),
                     Output::Rejected { .. } => {
                         let e = json!({"object": "error", "message": "prompt and max_tokens exceed the KV cache", "code": 400});
                         let _ = tx.send(Bytes::from(format!("data: {e}\n\n"))).await;
                         break;
                     }
                 };
-                let mut v = self.envelope(self.choice(&text, finish, true), true);
+                let first = n == 0;
+                n += usize::from(token.is_some());
+                let ids: &[u32] = match &token {
+                    Some(t) => std::slice::from_ref(t),
+                    None => &[],
+                };
+                let mut v = self.envelope(self.choice(ids, finish, true, first), true, first);
                 if finish.is_some() {
                     v["usage"] = self.usage(n, cached);
                 }

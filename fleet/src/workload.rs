@@ -55,6 +55,8 @@ pub struct Planned {
     pub max_tokens: usize,
     /// A group or conversation id, for reports.
     pub key: u64,
+    /// Leading tokens that are a system prompt (sent as a system message in a chat).
+    pub system_len: usize,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -123,7 +125,13 @@ impl SharedPrefix {
             };
             let mut prompt = systems[g].clone();
             prompt.extend(random_tokens(&mut rng, self.question_len));
-            out.push(Planned { at, prompt, max_tokens: self.output_len, key: g as u64 });
+            out.push(Planned {
+                at,
+                prompt,
+                max_tokens: self.output_len,
+                key: g as u64,
+                system_len: self.system_prompt_len,
+            });
         }
         if self.popularity == Popularity::Uniform {
             // Shuffle which group comes when (Fisher–Yates), keeping the arrival times.
@@ -151,7 +159,13 @@ impl SharedPrefix {
             for _ in 0..self.prompts_per_group {
                 let mut prompt = system.clone();
                 prompt.extend(random_tokens(&mut rng, self.question_len));
-                out.push(Planned { at, prompt, max_tokens: self.output_len, key: g as u64 });
+                out.push(Planned {
+                    at,
+                    prompt,
+                    max_tokens: self.output_len,
+                    key: g as u64,
+                    system_len: self.system_prompt_len,
+                });
             }
         }
         out
@@ -203,7 +217,7 @@ pub fn mooncake(
         prompt.truncate(len);
         let max_tokens = ((t.output_length as f64 / length_scale).round() as usize).clamp(1, max_tokens_cap.max(1));
         let at = Duration::from_secs_f64(t.timestamp as f64 / 1000.0 / time_scale);
-        out.push(Planned { at, prompt, max_tokens, key: t.hash_ids.first().copied().unwrap_or(0) });
+        out.push(Planned { at, prompt, max_tokens, key: t.hash_ids.first().copied().unwrap_or(0), system_len: 0 });
     }
     Ok(out)
 }

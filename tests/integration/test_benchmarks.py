@@ -20,6 +20,10 @@ def test_routing_quality_runs_every_policy(tmp_path):
         "kvroute_w0", "kvroute_w1", "kvroute_w4", "kvroute_w4_nopredict"]
     for x in runs:
         assert x["requests"] == 12 and x["failed"] == 0, x
+        # Token-id bodies, through the stage: every request tokenized, and kvroute scored
+        # every one by its blocks (none routed by load for want of tokens).
+        assert x["via"] == "stage" and x["tokenized"] == 12, x
+        assert x["scored"] == (12 if x["policy"].startswith("kvroute") else 0), x
         # The oracle (one infinite cache that saw every request) bounds every policy.
         assert 0 <= x["hit_rate"] <= x["oracle_hit_rate"] + 1e-9, x
         for metric in ("ttft_ms", "e2e_ms"):
@@ -28,6 +32,23 @@ def test_routing_quality_runs_every_policy(tmp_path):
     assert "| kvroute_w4 |" in r.stdout  # the Markdown table
     for f in ("ttft-burst_70.svg", "hit-rate-vs-load.svg"):
         assert (tmp_path / f).read_text().startswith("<svg")
+
+
+def test_routing_quality_runs_the_header_path_too(tmp_path):
+    """--via header: no stage, the client writes the token header (the comparison in
+    docs/benchmarks.md); a chat workload, so answers come back into the next prompt."""
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "benches" / "routing_quality.py"), "--workloads", "chat_70", "--via", "header",
+         "--policies", "round_robin,kvroute_w1", "--workers", "2", "--groups", "1", "--speedup", "8",
+         "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    runs = json.loads((tmp_path / "results.json").read_text())["runs"]
+    assert [(x["policy"], x["via"], x["tokenized"], x["failed"]) for x in runs] == [
+        ("round_robin", "header", None, 0), ("kvroute_w1", "header", None, 0)]
+    assert runs[1]["scored"] == runs[1]["requests"] == 8
+    # Later turns reuse earlier ones: the engines' answers came back as token ids.
+    assert runs[1]["hit_rate"] > 0.5, runs[1]
 
 
 def test_the_prefix_hash_ring_is_the_same_every_run():

@@ -11,7 +11,7 @@ import pytest
 import zmq
 
 import engine_wheels
-from harness import Envoy, MockEngine, Sidecar, free_port, render_config, wait_for, wait_synced
+from harness import TOKENIZER_DIR, Envoy, MockEngine, Sidecar, free_port, render_config, wait_for, wait_synced
 
 
 def tokens(prefix, n):
@@ -103,26 +103,54 @@ def test_kv_events_decode_with_vllms_own_structs(engine):
         sub.close()
 
 
+def _post(port, path, body):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        conn.request("POST", path, body=body if isinstance(body, bytes) else json.dumps(body),
+                     headers={"content-type": "application/json"})
+        r = conn.getresponse()
+        return r.status, json.loads(r.read())
+    finally:
+        conn.close()
+
+
 def test_openai_api_and_metrics(engine):
-    e = engine(args=["--speedup", "50"])
+    e = engine(args=["--speedup", "50"], tokenizer=TOKENIZER_DIR)
     _, r = e.complete("Hello there, how are you", max_tokens=3)
     assert r["object"] == "text_completion" and r["usage"]["completion_tokens"] == 3
-    assert r["usage"]["prompt_tokens"] == 5 and r["choices"][0]["finish_reason"] == "length"
-    _, body = e.complete(tokens(3, 40), max_tokens=2, stream=True)
+    assert r["usage"]["prompt_tokens"] == 6 and r["choices"][0]["finish_reason"] == "length"
+    # The answer is text of the tokenizer's words, one per generated token.
+    assert len(r["choices"][0]["text"].split()) == 3
+    _, body = e.complete(tokens(1, 40), max_tokens=2, stream=True)  # ids within Qwen3's vocabulary
     chunks = [line[6:] for line in body.decode().split("\n\n") if line.startswith("data: ")]
     assert chunks[-1] == "[DONE]" and len(chunks) == 4  # 2 tokens, the final chunk, [DONE]
     assert json.loads(chunks[-2])["usage"]["completion_tokens"] == 2
-    conn = http.client.HTTPConnection("127.0.0.1", e.port, timeout=5)
-    conn.request("POST", "/v1/chat/completions", body=json.dumps(
-        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}))
-    r = json.loads(conn.getresponse().read())
-    assert r["object"] == "chat.completion" and r["choices"][0]["message"]["role"] == "assistant"
-    conn.request("POST", "/v1/completions", body=b"not json")
-    resp = conn.getresponse()
-    assert resp.status == 400 and json.loads(resp.read())["object"] == "error"
+    status, r = _post(e.port, "/v1/chat/completions",
+                      {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "return_token_ids": True})
+    assert status == 200 and r["object"] == "chat.completion" and r["choices"][0]["message"]["role"] == "assistant"
+    # vLLM's return_token_ids: the prompt's ids (the chat template's) and the answer's.
+    status, tok = _post(e.port, "/tokenize", {"messages": [{"role": "user", "content": "hi"}]})
+    assert status == 200 and r["prompt_token_ids"] == tok["tokens"] and tok["count"] == 9
+    assert len(r["choices"][0]["token_ids"]) == 2
+    status, r = _post(e.port, "/v1/completions", b"not json")
+    assert status == 400 and r["object"] == "error"
+    status, r = _post(e.port, "/v1/completions", {"model": "other", "prompt": "x"})
+    assert status == 404 and r["message"] == "The model `other` does not exist."
     m = e.metrics()
-    assert m["vllm:prompt_tokens_total"] >= 45 and m["vllm:request_success_total"] == 3
+    assert m["vllm:prompt_tokens_total"] >= 6 + 40 + 9 and m["vllm:request_success_total"] == 3
     assert 0 < m["vllm:kv_cache_usage_perc"] <= 1
+
+
+def test_without_a_tokenizer_an_engine_takes_token_ids_only(engine):
+    """As vLLM with --skip-tokenizer-init: text and chats are refused, saying why."""
+    e = engine(args=["--speedup", "50"])
+    status, r = _post(e.port, "/v1/completions", {"model": "mock-llm", "prompt": "Hello"})
+    assert status == 400 and "token ids" in r["message"]
+    status, r = _post(e.port, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
+    assert status == 400 and "token ids" in r["message"]
+    status, r = _post(e.port, "/v1/completions", {"prompt": tokens(1, 20), "max_tokens": 2, "return_token_ids": True})
+    assert status == 200 and r["choices"][0]["prompt_token_ids"] == tokens(1, 20)
+    assert r["choices"][0]["text"] == "" and len(r["choices"][0]["token_ids"]) == 2
 
 
 def test_the_seeds_verification_through_envoy():
@@ -139,6 +167,7 @@ def test_the_seeds_verification_through_envoy():
     envoy = Envoy(cfg, lp, ap)
     try:
         prompt = tokens(7, 1000)  # 62 full blocks
+        # The token header a tokenizer stage would write (this test runs Envoy without one).
         header = base64.b64encode(struct.pack(f"<{len(prompt)}I", *prompt)).decode()
 
         def ask():
@@ -293,6 +322,21 @@ def test_docker_compose_file_is_consistent():
             cfg = json.loads(s["command"][s["command"].index("--kv-events-config") + 1])
             ev_port = cfg["endpoint"].rsplit(":", 1)[1]
             assert any(f"=tcp://127.0.0.1:{ev_port}" in a for a in services["sidecar"]["command"]), n
+    stage = next(c for c in envoy["static_resources"]["clusters"] if c["name"] == "kvroute_tokenizer")
+    addr = stage["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]
+    cmd = services["tokenizer"]["command"]
+    assert cmd[cmd.index("--grpc-listen") + 1] == f'{addr["address"]}:{addr["port_value"]}'
+    # Every flag a service passes to one of our binaries is one that binary takes.
+    from harness import FLEET, SIDECAR, TOKENIZER
+    binaries = {"kvroute-fleet": FLEET, "kvroute-sidecar": SIDECAR, "kvroute-tokenizer": TOKENIZER}
+    for n, svc in services.items():
+        cmd = svc.get("command") or []
+        if not cmd or cmd[0] not in binaries:
+            continue
+        sub = [cmd[1]] if cmd[0] == "kvroute-fleet" else []
+        helptext = subprocess.run([str(binaries[cmd[0]]), *sub, "--help"], capture_output=True, text=True).stdout
+        for flag in (a for a in cmd if a.startswith("--")):
+            assert f"{flag} " in helptext or f"{flag}\n" in helptext, f"{n}: {cmd[0]} {' '.join(sub)} has no {flag}"
     compose = (["docker-compose"] if shutil.which("docker-compose") else
                ["docker", "compose"] if shutil.which("docker") and subprocess.run(
                    ["docker", "compose", "version"], capture_output=True).returncode == 0 else None)

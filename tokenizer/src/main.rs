@@ -69,12 +69,19 @@ fn run(config: Config) -> Result<(), String> {
         }
         let app = Arc::new(http::App { stage, stats, max_body_bytes: config.max_body_bytes });
         tokio::spawn(serve_http(http_listener, app));
+        // Each answer is one small frame: without TCP_NODELAY it waits out Envoy's delayed
+        // ACK (Nagle), ~40 ms per request (tonic sets it only on listeners it binds itself).
+        let incoming =
+            tokio_stream::StreamExt::map(tokio_stream::wrappers::TcpListenerStream::new(grpc_listener), |s| {
+                s.inspect(|s| {
+                    if let Err(e) = s.set_nodelay(true) {
+                        log::warn!("ext_proc connection: TCP_NODELAY: {e}");
+                    }
+                })
+            });
         tonic::transport::Server::builder()
             .add_service(grpc)
-            .serve_with_incoming_shutdown(
-                tokio_stream::wrappers::TcpListenerStream::new(grpc_listener),
-                shutdown_signal(),
-            )
+            .serve_with_incoming_shutdown(incoming, shutdown_signal())
             .await
             .map_err(|e| format!("ext_proc server: {e}"))?;
         log::info!("stopped");
@@ -92,6 +99,7 @@ async fn serve_http(listener: tokio::net::TcpListener, app: Arc<http::App>) {
                 continue;
             }
         };
+        let _ = stream.set_nodelay(true);
         let app = app.clone();
         tokio::spawn(async move {
             let svc = service_fn(move |req| http::handle(app.clone(), req));
