@@ -42,9 +42,12 @@ ENVOY_CPU = "0" if os.cpu_count() and os.cpu_count() >= 2 else None
 
 
 class Upstream:
-    """A fixed fast upstream: one Envoy, one listener per fake worker, direct responses."""
+    """A fixed fast upstream: one Envoy, one listener per fake worker, direct responses.
+    read_body: answer only once the whole request body is in, as an engine does (a
+    direct_response alone answers on the headers, and the proxy in front then has to close
+    a connection whose request is still arriving)."""
 
-    def __init__(self, n):
+    def __init__(self, n, read_body=False):
         self.ports = [free_port() for _ in range(n)]
         admin = free_port()
         listeners = [{
@@ -62,7 +65,10 @@ class Upstream:
                         "routes": [{"match": {"prefix": "/"},
                                     "direct_response": {"status": 200,
                                                         "body": {"inline_string": "ok"}}}]}]},
-                    "http_filters": [{"name": "envoy.filters.http.router", "typed_config": {
+                    "http_filters": ([{"name": "envoy.filters.http.buffer", "typed_config": {
+                        "@type": "type.googleapis.com/envoy.extensions.filters.http.buffer.v3.Buffer",
+                        "max_request_bytes": 8388608}}] if read_body else []) + [
+                        {"name": "envoy.filters.http.router", "typed_config": {
                         "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}],
                 }}]}],
         } for i, p in enumerate(self.ports)]

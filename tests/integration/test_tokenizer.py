@@ -268,3 +268,34 @@ def test_the_stage_answers_without_waiting_on_delayed_acks(stage_setup):
     times.sort()
     assert times[len(times) // 2] < 0.015, times
     assert s.stage.outcome("tokenized") == 25
+
+
+@pytest.mark.parametrize("form", ["chat", "text"])
+def test_the_load_generator_sends_plain_openai_requests(form, tmp_path):
+    """`kvroute-fleet load --send chat|text`: multi-turn conversations written as plain
+    OpenAI requests (no token ids anywhere), through the stage and kvroute to engines
+    that tokenize them; later turns are served from the cache their earlier turns left."""
+    import subprocess
+    from harness import FLEET, Processes, start_fleet, wait_synced
+    procs = Processes()
+    try:
+        engines, sidecar = start_fleet(procs, 2, 1000, 20.0, tokenizer=TOKENIZER_DIR)
+        stage = procs.add(Tokenizer(models=[("mock-llm", TOKENIZER_DIR, [])], max_model_len=16000))
+        cfg, port, ap = render_config(engines, sidecar.port, {"overlap_weight": 4.0}, tokenizer_port=stage.grpc_port)
+        envoy = procs.add(Envoy(cfg, port, ap))
+        wait_synced(envoy, sidecar)
+        out = tmp_path / "load.json"
+        subprocess.run([str(FLEET), "load", "--target", f"127.0.0.1:{port}", "--send", form,
+                        "--tokenizer", str(TOKENIZER_DIR), "--workload", "chat", "--conversations", "3",
+                        "--turns", "3", "--system-prompt-len", "300", "--question-len", "20",
+                        "--output-len", "8", "--rate", "20", "--quiet", "--json", str(out)],
+                       check=True, stdout=subprocess.DEVNULL, timeout=120)
+        r = json.loads(out.read_text())
+        assert (r["requests"], r["failed"], r["sent_as"], r["token_header"]) == (9, 0, form, False)
+        assert stage.outcome("tokenized") == 9
+        # Turns 2 and 3 of each conversation find their earlier turns cached.
+        later = [s for s in r["samples"] if s["cached_tokens"] > 0]
+        assert len(later) >= 6 and r["hit_rate"] > 0.5, r
+        assert r["oracle_hit_rate"] > 0.5
+    finally:
+        procs.stop_all()
