@@ -125,13 +125,7 @@ impl SharedPrefix {
             };
             let mut prompt = systems[g].clone();
             prompt.extend(random_tokens(&mut rng, self.question_len));
-            out.push(Planned {
-                at,
-                prompt,
-                max_tokens: self.output_len,
-                key: g as u64,
-                system_len: self.system_prompt_len,
-            });
+            out.push(self.planned(at, prompt, g));
         }
         if self.popularity == Popularity::Uniform {
             // Shuffle which group comes when (Fisher–Yates), keeping the arrival times.
@@ -150,6 +144,10 @@ impl SharedPrefix {
 }
 
 impl SharedPrefix {
+    fn planned(&self, at: Duration, prompt: Vec<u32>, group: usize) -> Planned {
+        Planned { at, prompt, max_tokens: self.output_len, key: group as u64, system_len: self.system_prompt_len }
+    }
+
     fn plan_bursts(&self, seed: u64, rate: f64) -> Vec<Planned> {
         let mut rng = Rng::new(seed);
         let times = poisson_times(&mut rng, self.groups, rate);
@@ -159,13 +157,7 @@ impl SharedPrefix {
             for _ in 0..self.prompts_per_group {
                 let mut prompt = system.clone();
                 prompt.extend(random_tokens(&mut rng, self.question_len));
-                out.push(Planned {
-                    at,
-                    prompt,
-                    max_tokens: self.output_len,
-                    key: g as u64,
-                    system_len: self.system_prompt_len,
-                });
+                out.push(self.planned(at, prompt, g));
             }
         }
         out
