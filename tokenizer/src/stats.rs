@@ -82,21 +82,6 @@ impl Stats {
         self.latency_us_sum.fetch_add(took.as_micros() as u64, Relaxed);
     }
 
-    pub fn get(&self, o: Outcome) -> u64 {
-        match o {
-            Outcome::Tokenized => self.tokenized.load(Relaxed),
-            Outcome::NotOpenAi => self.not_openai.load(Relaxed),
-            Outcome::NoBody => self.no_body.load(Relaxed),
-            Outcome::TooLarge => self.too_large.load(Relaxed),
-            Outcome::ClientTokensTrusted => self.trusted.load(Relaxed),
-            Outcome::Failed => self.failed.load(Relaxed),
-            Outcome::ClientHeadersRemoved => self.client_headers_removed.load(Relaxed),
-            Outcome::Skipped(label) => {
-                SKIPS.iter().position(|s| *s == label).map_or(0, |i| self.skipped[i].load(Relaxed))
-            }
-        }
-    }
-
     pub fn render(&self, stage: &Stage) -> String {
         let mut o = String::with_capacity(2048);
         let head = |o: &mut String, name: &str, kind: &str, help: &str| {

@@ -60,35 +60,13 @@ pub struct StageProcessor {
 impl HandlerFactory for StageProcessor {
     type Handler = StreamState;
 
-    fn new_stream(&self) -> StreamState {
-        StreamState { p: Arc::new(self.shared()), endpoint: None }
+    fn new_stream(self: Arc<Self>) -> StreamState {
+        StreamState { p: self, endpoint: None }
     }
-}
-
-impl StageProcessor {
-    fn shared(&self) -> Shared {
-        Shared {
-            stage: self.stage.clone(),
-            stats: self.stats.clone(),
-            headers: self.headers.clone(),
-            trust_client_tokens: self.trust_client_tokens,
-            max_body_bytes: self.max_body_bytes,
-            limiter: self.limiter.clone(),
-        }
-    }
-}
-
-struct Shared {
-    stage: Arc<Stage>,
-    stats: Arc<Stats>,
-    headers: Headers,
-    trust_client_tokens: bool,
-    max_body_bytes: usize,
-    limiter: Arc<Semaphore>,
 }
 
 pub struct StreamState {
-    p: Arc<Shared>,
+    p: Arc<StageProcessor>,
     /// The OpenAI endpoint the request goes to, once its headers said it will be read.
     endpoint: Option<Endpoint>,
 }
@@ -156,7 +134,7 @@ impl StreamState {
 
 /// The buffered body of a request whose headers said it will be read.
 async fn on_body(
-    p: Arc<Shared>,
+    p: Arc<StageProcessor>,
     endpoint: Option<Endpoint>,
     body: bytes::Bytes,
     end_of_stream: bool,

@@ -16,10 +16,11 @@ pub trait StreamHandler: Send + 'static {
     fn handle(&mut self, msg: ProcessingRequest) -> BoxFuture<Option<ProcessingResponse>, Status>;
 }
 
-/// Makes one [`StreamHandler`] per gRPC stream.
+/// Makes one [`StreamHandler`] per gRPC stream (given the shared factory, which a handler
+/// can keep).
 pub trait HandlerFactory: Send + Sync + 'static {
     type Handler: StreamHandler;
-    fn new_stream(&self) -> Self::Handler;
+    fn new_stream(self: Arc<Self>) -> Self::Handler;
 }
 
 /// The tonic service (what `tonic-build` would generate for the one method).
@@ -56,7 +57,7 @@ impl<F: HandlerFactory> StreamingService<ProcessingRequest> for Process<F> {
     type Future = BoxFuture<Response<Self::ResponseStream>, Status>;
 
     fn call(&mut self, request: Request<Streaming<ProcessingRequest>>) -> Self::Future {
-        let mut handler = self.0.new_stream();
+        let mut handler = self.0.clone().new_stream();
         Box::pin(async move {
             let mut incoming = request.into_inner();
             // One response per message: a small buffer is enough.
