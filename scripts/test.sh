@@ -45,6 +45,7 @@ cargo clippy --quiet --target wasm32-unknown-unknown --lib -- -D warnings
 
 step "core, sidecar, fleet and tokenizer-stage tests (native)"
 cargo test --quiet --lib
+cargo test --quiet -p kvroute-serve
 cargo test --quiet -p kvroute-sidecar
 cargo test --quiet -p kvroute-fleet
 cargo test --quiet -p kvroute-tokenizer  # with the golden token ids (tests/vectors/tokenizer)

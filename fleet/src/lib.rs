@@ -19,19 +19,3 @@ pub mod prompts;
 pub mod text;
 pub mod worker;
 pub mod workload;
-
-/// Resolves on Ctrl-C or SIGTERM.
-pub async fn shutdown_signal() {
-    let ctrl_c = tokio::signal::ctrl_c();
-    #[cfg(unix)]
-    {
-        if let Ok(mut term) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            tokio::select! {
-                _ = ctrl_c => {},
-                _ = term.recv() => {},
-            }
-            return;
-        }
-    }
-    let _ = ctrl_c.await;
-}

@@ -185,30 +185,10 @@ fn round2(x: f64) -> f64 {
 /// A request's prompt, as the client puts it in the body.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Body {
-    Tokens(Vec<u32>),
+    /// The planned ids themselves.
+    Tokens,
     Text(String),
     Chat(Vec<(&'static str, String)>),
-}
-
-impl Body {
-    fn path(&self) -> &'static str {
-        match self {
-            Body::Chat(_) => "/v1/chat/completions",
-            Body::Tokens(_) | Body::Text(_) => "/v1/completions",
-        }
-    }
-
-    fn json(&self, model: &str, max_tokens: usize) -> Value {
-        let mut v = json!({"model": model, "max_tokens": max_tokens, "stream": true, "return_token_ids": true});
-        match self {
-            Body::Tokens(ids) => v["prompt"] = json!(ids),
-            Body::Text(t) => v["prompt"] = json!(t),
-            Body::Chat(m) => {
-                v["messages"] = m.iter().map(|(role, content)| json!({"role": role, "content": content})).collect()
-            }
-        }
-        v
-    }
 }
 
 /// A prompt being built, turn by turn: its planned ids and its body.
@@ -216,6 +196,27 @@ impl Body {
 pub struct Conversation {
     pub planned: Vec<u32>,
     pub body: Body,
+}
+
+impl Conversation {
+    fn path(&self) -> &'static str {
+        match self.body {
+            Body::Chat(_) => "/v1/chat/completions",
+            Body::Tokens | Body::Text(_) => "/v1/completions",
+        }
+    }
+
+    fn json(&self, model: &str, max_tokens: usize) -> Value {
+        let mut v = json!({"model": model, "max_tokens": max_tokens, "stream": true, "return_token_ids": true});
+        match &self.body {
+            Body::Tokens => v["prompt"] = json!(self.planned),
+            Body::Text(t) => v["prompt"] = json!(t),
+            Body::Chat(m) => {
+                v["messages"] = m.iter().map(|(role, content)| json!({"role": role, "content": content})).collect()
+            }
+        }
+        v
+    }
 }
 
 /// Writes planned prompts in the chosen form.
@@ -240,7 +241,7 @@ impl Writer {
     /// system message, the rest as a user message).
     pub fn start(&self, planned: Vec<u32>, system_len: usize) -> Conversation {
         let body = match self.form {
-            PromptForm::Tokens => Body::Tokens(planned.clone()),
+            PromptForm::Tokens => Body::Tokens,
             PromptForm::Text => Body::Text(self.text(&planned)),
             PromptForm::Chat => {
                 let (system, user) = planned.split_at(system_len.min(planned.len()));
@@ -260,10 +261,7 @@ impl Writer {
         c.planned.extend(&answer.answer_ids);
         c.planned.extend(question);
         match &mut c.body {
-            Body::Tokens(ids) => {
-                ids.extend(&answer.answer_ids);
-                ids.extend(question);
-            }
+            Body::Tokens => {}
             Body::Text(t) => {
                 t.push_str(&answer.answer);
                 t.push_str(&self.text(question));
@@ -286,9 +284,10 @@ pub struct Sender {
     pub start: Instant,
 }
 
-/// Sends one request, streaming, and measures it. `planned`: the prompt's planned ids
-/// (for the headers, and as the prompt if the engine does not return its own).
-pub async fn send(sender: &Sender, planned: &[u32], body: &Body, max_tokens: usize, key: u64) -> Sample {
+/// Sends one request, streaming, and measures it. The planned ids go in the headers, and
+/// stand for the prompt if the engine does not return its own.
+pub async fn send(sender: &Sender, c: &Conversation, max_tokens: usize, key: u64) -> Sample {
+    let planned = c.planned.as_slice();
     let target = sender.target.as_str();
     let t0 = Instant::now();
     let mut s = Sample {
@@ -311,15 +310,14 @@ pub async fn send(sender: &Sender, planned: &[u32], body: &Body, max_tokens: usi
             .await
             .map_err(|e| e.to_string())?;
         tokio::spawn(conn);
-        let mut req =
-            hyper::Request::post(body.path()).header("host", target).header("content-type", "application/json");
+        let mut req = hyper::Request::post(c.path()).header("host", target).header("content-type", "application/json");
         if sender.token_header {
             req = req.header("x-prompt-token-ids-b64", kvroute::tokens::encode_base64(planned));
         }
         if sender.prefix_hash_blocks > 0 {
             req = req.header("x-prefix-hash", prefix_hash(planned, sender.prefix_hash_blocks));
         }
-        let payload = body.json(&sender.model, max_tokens).to_string();
+        let payload = c.json(&sender.model, max_tokens).to_string();
         let req = req.body(Full::new(Bytes::from(payload))).map_err(|e| e.to_string())?;
         let resp = tx.send_request(req).await.map_err(|e| e.to_string())?;
         if resp.status() != hyper::StatusCode::OK {
@@ -438,7 +436,7 @@ pub async fn run(args: LoadArgs) -> Result<Value, String> {
                 let c = writer.start(p.prompt, p.system_len);
                 handles.push(tokio::spawn(async move {
                     tokio::time::sleep_until(tokio::time::Instant::from_std(start + p.at)).await;
-                    let s = send(&sender, &c.planned, &c.body, p.max_tokens, p.key).await;
+                    let s = send(&sender, &c, p.max_tokens, p.key).await;
                     progress.done.fetch_add(1, Ordering::Relaxed);
                     if !s.ok {
                         progress.failed.fetch_add(1, Ordering::Relaxed);
@@ -477,7 +475,7 @@ pub async fn run(args: LoadArgs) -> Result<Value, String> {
                     let mut conv = writer.start(workload::random_tokens(&mut rng, chat.first_len), 0);
                     let mut out = Vec::new();
                     for _ in 0..chat.turns {
-                        let s = send(&sender, &conv.planned, &conv.body, chat.output_len, c as u64).await;
+                        let s = send(&sender, &conv, chat.output_len, c as u64).await;
                         progress.done.fetch_add(1, Ordering::Relaxed);
                         if !s.ok {
                             progress.failed.fetch_add(1, Ordering::Relaxed);
@@ -663,8 +661,9 @@ mod tests {
         let mut c = tokens.start(first.clone(), 0);
         tokens.next_turn(&mut c, &answer, &question);
         let expect: Vec<u32> = first.iter().chain(&[11, 12]).chain(&question).copied().collect();
-        assert_eq!((c.body.clone(), c.planned.clone()), (Body::Tokens(expect.clone()), expect.clone()));
-        assert_eq!(c.body.path(), "/v1/completions");
+        assert_eq!((c.body.clone(), c.planned.clone()), (Body::Tokens, expect.clone()));
+        assert_eq!(c.json("qwen3", 4)["prompt"], json!(expect));
+        assert_eq!(c.path(), "/v1/completions");
         assert!(Writer::new(PromptForm::Chat, None).is_err(), "text needs a tokenizer's words");
 
         let words = || Some(Words::of(&crate::text::test_model()).unwrap());
@@ -678,9 +677,9 @@ mod tests {
         let roles: Vec<_> = m.iter().map(|(r, _)| *r).collect();
         assert_eq!((roles, m[1].1.as_str()), (vec!["user", "assistant", "user"], " alpha beta"));
         assert_eq!(m[0].1.split(' ').count(), 41);
-        let v = c.body.json("qwen3", 4);
+        let v = c.json("qwen3", 4);
         assert_eq!((v["messages"][2]["role"].as_str(), v["return_token_ids"].as_bool()), (Some("user"), Some(true)));
-        assert_eq!(c.body.path(), "/v1/chat/completions");
+        assert_eq!(c.path(), "/v1/chat/completions");
 
         let text = Writer::new(PromptForm::Text, words()).unwrap();
         let mut c = text.start(first.clone(), 0);

@@ -7,38 +7,13 @@
 
 use kvroute_tokenizer::model::{Model, ModelSpec};
 use kvroute_tokenizer::stage::{Endpoint, Skip, Stage};
-use serde_json::Value;
+use serde_json::{Map, Value};
 use std::path::Path;
 
-/// A request the engine refuses, as vLLM answers it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Refusal {
-    /// 404: the model is not served.
-    UnknownModel(String),
-    /// 400, with vLLM's reason.
-    BadRequest(String),
-}
-
-impl Refusal {
-    pub fn message(&self) -> String {
-        match self {
-            Refusal::UnknownModel(m) => format!("The model `{m}` does not exist."),
-            Refusal::BadRequest(why) => why.clone(),
-        }
-    }
-}
-
-fn bad<T>(why: impl Into<String>) -> Result<T, Refusal> {
-    Err(Refusal::BadRequest(why.into()))
-}
-
-impl From<Skip> for Refusal {
-    fn from(s: Skip) -> Refusal {
-        match s {
-            Skip::UnknownModel(m) => Refusal::UnknownModel(m),
-            other => Refusal::BadRequest(other.to_string()),
-        }
-    }
+/// A request the engine refuses is a [`Skip`]: the stage's reasons, answered with vLLM's
+/// status and message ([`Skip::vllm_error`]).
+fn bad<T>(why: impl Into<String>) -> Result<T, Skip> {
+    Err(Skip::Invalid(why.into()))
 }
 
 pub struct Prompts {
@@ -72,10 +47,15 @@ impl Prompts {
         self.stage.as_ref().and_then(|s| s.models().first())
     }
 
-    /// The prompt's token ids for a request to `endpoint`.
-    pub fn prompt(&self, endpoint: Endpoint, body: &[u8]) -> Result<Vec<u32>, Refusal> {
-        let Some(stage) = &self.stage else { return self.token_ids_only(endpoint, body) };
-        let p = stage.prompt(endpoint, body)?;
+    /// The prompt's token ids for a request body to `endpoint`.
+    pub fn prompt(&self, endpoint: Endpoint, body: &[u8]) -> Result<Vec<u32>, Skip> {
+        self.prompt_of(endpoint, &Stage::parse(body)?)
+    }
+
+    /// [`Prompts::prompt`] of a body already parsed.
+    pub fn prompt_of(&self, endpoint: Endpoint, req: &Map<String, Value>) -> Result<Vec<u32>, Skip> {
+        let Some(stage) = &self.stage else { return self.token_ids_only(endpoint, req) };
+        let p = stage.prompt_of(endpoint, req)?;
         if p.prompts > 1 {
             return bad("the mock engine serves one prompt per request");
         }
@@ -87,9 +67,9 @@ impl Prompts {
     }
 
     /// vLLM's `POST /tokenize`.
-    pub fn tokenize(&self, body: &[u8]) -> Result<Value, Refusal> {
+    pub fn tokenize(&self, body: &[u8]) -> Result<Value, Skip> {
         match &self.stage {
-            Some(stage) => Ok(kvroute_tokenizer::http::tokenize_body(stage, body)?),
+            Some(stage) => kvroute_tokenizer::http::tokenize_body(stage, body),
             None => bad("this engine has no tokenizer (start it with --tokenizer)"),
         }
     }
@@ -100,12 +80,11 @@ impl Prompts {
         self.model().and_then(|m| m.tokenizer().decode(ids, true).ok()).unwrap_or_default()
     }
 
-    fn token_ids_only(&self, endpoint: Endpoint, body: &[u8]) -> Result<Vec<u32>, Refusal> {
-        let req = Stage::parse(body)?;
+    fn token_ids_only(&self, endpoint: Endpoint, req: &Map<String, Value>) -> Result<Vec<u32>, Skip> {
         match req.get("model") {
             None | Some(Value::Null) => {}
             Some(Value::String(m)) if m == &self.model => {}
-            Some(Value::String(m)) => return Err(Refusal::UnknownModel(m.clone())),
+            Some(Value::String(m)) => return Err(Skip::UnknownModel(m.clone())),
             Some(_) => return bad("model is not a string"),
         }
         let no_text = "this engine has no tokenizer (vLLM's --skip-tokenizer-init): send token ids as the prompt";
@@ -125,7 +104,7 @@ impl Prompts {
             .iter()
             .map(|v| v.as_u64().and_then(|t| u32::try_from(t).ok()))
             .collect::<Option<_>>()
-            .ok_or(Refusal::BadRequest("a token id is not valid".into()))?;
+            .ok_or(Skip::Invalid("a token id is not valid".into()))?;
         match ids.len() {
             0 => bad("the prompt is empty"),
             n if n >= self.max_model_len => bad(format!("{n} prompt tokens, max_model_len {}", self.max_model_len)),
@@ -174,29 +153,25 @@ mod tests {
     #[test]
     fn refusals_are_vllms() {
         let p = qwen3();
-        let r = |e: Endpoint, b: &str| p.prompt(e, b.as_bytes()).unwrap_err();
-        assert_eq!(
-            r(Endpoint::Completions, r#"{"model": "other", "prompt": "x"}"#),
-            Refusal::UnknownModel("other".into())
-        );
-        assert!(matches!(r(Endpoint::Completions, r#"{"prompt": ["a", "b"]}"#), Refusal::BadRequest(_)));
-        assert!(matches!(r(Endpoint::Completions, r#"{"prompt": "x", "cache_salt": "s"}"#), Refusal::BadRequest(_)));
-        assert!(matches!(r(Endpoint::Completions, "not json"), Refusal::BadRequest(_)));
+        let r = |e: Endpoint, b: &str| p.prompt(e, b.as_bytes()).unwrap_err().vllm_error();
+        let not_served = (404, "The model `other` does not exist.".to_string());
+        assert_eq!(r(Endpoint::Completions, r#"{"model": "other", "prompt": "x"}"#), not_served);
+        assert_eq!(r(Endpoint::Completions, r#"{"prompt": ["a", "b"]}"#).0, 400);
+        assert_eq!(r(Endpoint::Completions, r#"{"prompt": "x", "cache_salt": "s"}"#).0, 400);
+        assert_eq!(r(Endpoint::Completions, "not json").0, 400);
 
         let ids_only = Prompts::new("mock-llm", None, 100).unwrap();
-        let r = |e: Endpoint, b: &str| ids_only.prompt(e, b.as_bytes());
+        let r = |e: Endpoint, b: &str| ids_only.prompt(e, b.as_bytes()).map_err(|s| s.vllm_error());
         assert_eq!(r(Endpoint::Completions, r#"{"model": "mock-llm", "prompt": [5, 6]}"#), Ok(vec![5, 6]));
         assert_eq!(r(Endpoint::Completions, r#"{"prompt": [[5, 6]]}"#), Ok(vec![5, 6]));
         for body in [r#"{"prompt": "text"}"#, r#"{"prompt": []}"#, r#"{"prompt": [-1]}"#, r#"{"prompt": [[1], [2]]}"#] {
-            assert!(matches!(r(Endpoint::Completions, body), Err(Refusal::BadRequest(_))), "{body}");
+            assert!(matches!(r(Endpoint::Completions, body), Err((400, _))), "{body}");
         }
         let long = format!(r#"{{"prompt": {:?}}}"#, vec![1; 100]);
-        assert!(matches!(r(Endpoint::Completions, &long), Err(Refusal::BadRequest(_))));
-        assert!(matches!(r(Endpoint::ChatCompletions, r#"{"messages": []}"#), Err(Refusal::BadRequest(_))));
-        assert_eq!(
-            r(Endpoint::Completions, r#"{"model": "x", "prompt": [1]}"#),
-            Err(Refusal::UnknownModel("x".into()))
-        );
+        assert!(matches!(r(Endpoint::Completions, &long), Err((400, _))));
+        assert!(matches!(r(Endpoint::ChatCompletions, r#"{"messages": []}"#), Err((400, _))));
+        let not_served = (404, "The model `x` does not exist.".to_string());
+        assert_eq!(r(Endpoint::Completions, r#"{"model": "x", "prompt": [1]}"#), Err(not_served));
         assert_eq!(ids_only.decode(&[1, 2]), "");
         assert!(ids_only.tokenize(b"{}").is_err());
     }

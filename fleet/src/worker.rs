@@ -6,13 +6,13 @@
 use crate::engine::{Engine, Output, Request, Timing};
 use crate::kvcache::KvCache;
 use crate::kvevents::{encode_batch, KvEventsConfig, Publisher, WireForm};
-use crate::prompts::{Prompts, Refusal};
+use crate::prompts::Prompts;
 use bytes::Bytes;
 use http_body_util::{combinators::BoxBody, BodyExt, Full};
 use hyper::body::{Body, Frame, Incoming};
 use hyper::{Method, Request as HttpRequest, Response, StatusCode};
-use kvroute_tokenizer::stage::Endpoint;
-use serde_json::{json, Value};
+use kvroute_tokenizer::stage::{Endpoint, Skip};
+use serde_json::{json, Map, Value};
 use std::collections::HashMap;
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -181,21 +181,9 @@ pub async fn run(args: WorkerArgs) -> Result<(), String> {
         if shared.publisher.is_some() { events.endpoint.as_str() } else { "off" }
     );
     tokio::spawn(drive(shared.clone()));
-    loop {
-        tokio::select! {
-            accepted = listener.accept() => {
-                let Ok((stream, _)) = accepted else { continue };
-                let _ = stream.set_nodelay(true);
-                let shared = shared.clone();
-                tokio::spawn(async move {
-                    let service = hyper::service::service_fn(move |req| handle(shared.clone(), req));
-                    let _ = hyper::server::conn::http1::Builder::new()
-                        .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
-                        .await;
-                });
-            }
-            _ = crate::shutdown_signal() => return Ok(()),
-        }
+    tokio::select! {
+        _ = kvroute_serve::serve_http1(listener, move |req| handle(shared.clone(), req)) => Ok(()),
+        _ = kvroute_serve::shutdown_signal() => Ok(()),
     }
 }
 
@@ -319,18 +307,15 @@ async fn read_body(req: HttpRequest<Incoming>) -> Result<Bytes, Resp> {
     }
 }
 
-fn refused(r: Refusal) -> Resp {
-    let status = match r {
-        Refusal::UnknownModel(_) => StatusCode::NOT_FOUND,
-        Refusal::BadRequest(_) => StatusCode::BAD_REQUEST,
-    };
-    error(status, &r.message())
+fn refused(why: Skip) -> Resp {
+    let (status, message) = why.vllm_error();
+    error(StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_REQUEST), &message)
 }
 
 /// Tokenizing can take milliseconds (a long uncached prompt): off the engine's thread.
 async fn off_thread<T: Send + 'static>(
     shared: &Arc<Shared>,
-    work: impl FnOnce(&Prompts) -> Result<T, Refusal> + Send + 'static,
+    work: impl FnOnce(&Prompts) -> Result<T, Skip> + Send + 'static,
 ) -> Result<T, Resp> {
     let s = shared.clone();
     match tokio::task::spawn_blocking(move || work(&s.prompts)).await {
@@ -357,14 +342,9 @@ async fn generate(shared: Arc<Shared>, req: HttpRequest<Incoming>, chat: bool) -
         Ok(b) => b,
         Err(r) => return r,
     };
-    let body: Value = match serde_json::from_slice(&raw) {
+    let body: Map<String, Value> = match serde_json::from_slice(&raw) {
         Ok(v) => v,
-        Err(e) => return error(StatusCode::BAD_REQUEST, &format!("body is not JSON: {e}")),
-    };
-    let endpoint = if chat { Endpoint::ChatCompletions } else { Endpoint::Completions };
-    let prompt = match off_thread(&shared, move |p| p.prompt(endpoint, &raw)).await {
-        Ok(p) => p,
-        Err(r) => return r,
+        Err(e) => return error(StatusCode::BAD_REQUEST, &format!("body is not a JSON object: {e}")),
     };
     let max_tokens = body
         .get(if chat && body.get("max_completion_tokens").is_some() { "max_completion_tokens" } else { "max_tokens" })
@@ -373,6 +353,12 @@ async fn generate(shared: Arc<Shared>, req: HttpRequest<Incoming>, chat: bool) -
         .clamp(1, 1 << 16) as usize;
     let stream = body.get("stream").and_then(Value::as_bool).unwrap_or(false);
     let return_token_ids = body.get("return_token_ids").and_then(Value::as_bool).unwrap_or(false);
+    // Parsed once: the prompt is read from the same map, off the engine's thread.
+    let endpoint = if chat { Endpoint::ChatCompletions } else { Endpoint::Completions };
+    let prompt = match off_thread(&shared, move |p| p.prompt_of(endpoint, &body)).await {
+        Ok(p) => p,
+        Err(r) => return r,
+    };
     let id = shared.next_id.fetch_add(1, Ordering::Relaxed);
     let (tx, rx) = mpsc::unbounded_channel();
     shared.streams().insert(id, tx);

@@ -56,8 +56,8 @@ fn run(config: config::Config) -> Result<(), String> {
         let app = Arc::new(server::App { fleet: fleet.clone(), started });
         tokio::spawn(health::run(config.clone(), fleet.clone(), started));
         tokio::select! {
-            r = accept_loop(listener, app) => r,
-            _ = shutdown_signal() => {
+            _ = kvroute_serve::serve_http1(listener, move |req| server::handle(app.clone(), req)) => Ok(()),
+            _ = kvroute_serve::shutdown_signal() => {
                 log::info!("shutting down");
                 Ok(())
             }
@@ -66,44 +66,4 @@ fn run(config: config::Config) -> Result<(), String> {
     stop.store(true, Ordering::Relaxed);
     let _ = ingest_thread.join();
     result
-}
-
-async fn accept_loop(listener: tokio::net::TcpListener, app: Arc<server::App>) -> Result<(), String> {
-    loop {
-        let (stream, _) = match listener.accept().await {
-            Ok(s) => s,
-            Err(e) => {
-                // Out of file descriptors and the like: log, back off, keep serving.
-                log::error!("accept: {e}");
-                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-                continue;
-            }
-        };
-        let _ = stream.set_nodelay(true);
-        let app = app.clone();
-        tokio::spawn(async move {
-            let service = hyper::service::service_fn(move |req| server::handle(app.clone(), req));
-            if let Err(e) = hyper::server::conn::http1::Builder::new()
-                .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
-                .await
-            {
-                log::debug!("connection: {e}");
-            }
-        });
-    }
-}
-
-async fn shutdown_signal() {
-    let ctrl_c = tokio::signal::ctrl_c();
-    #[cfg(unix)]
-    {
-        if let Ok(mut term) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            tokio::select! {
-                _ = ctrl_c => {},
-                _ = term.recv() => {},
-            }
-            return;
-        }
-    }
-    let _ = ctrl_c.await;
 }

@@ -120,17 +120,14 @@ impl Config {
     pub fn load(cli: &Cli) -> Result<Config, String> {
         let file = match &cli.config {
             None => FileConfig::default(),
-            Some(path) => {
-                let text = std::fs::read_to_string(path).map_err(|e| format!("--config {path}: {e}"))?;
-                toml::from_str(&text).map_err(|e| format!("{path}: {}", e.to_string().trim_end()))?
-            }
+            Some(path) => kvroute_serve::read_toml(path)?,
         };
         Self::from_parts(file, cli)
     }
 
     /// From TOML text and flags (tests use this).
     pub fn from_toml(text: &str, cli: &Cli) -> Result<Config, String> {
-        let file: FileConfig = toml::from_str(text).map_err(|e| e.to_string().trim_end().to_string())?;
+        let file: FileConfig = kvroute_serve::parse_toml(text)?;
         Self::from_parts(file, cli)
     }
 

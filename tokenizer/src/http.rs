@@ -64,8 +64,10 @@ async fn tokenize(app: &App, req: Request<Incoming>) -> Resp {
     let answer = tokio::task::spawn_blocking(move || tokenize_body(&stage, &body)).await;
     match answer {
         Ok(Ok(v)) => respond(StatusCode::OK, "application/json", v.to_string()),
-        Ok(Err(Skip::UnknownModel(m))) => error(StatusCode::NOT_FOUND, &format!("The model `{m}` does not exist.")),
-        Ok(Err(skip)) => error(StatusCode::BAD_REQUEST, &skip.to_string()),
+        Ok(Err(skip)) => {
+            let (status, message) = skip.vllm_error();
+            error(StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_REQUEST), &message)
+        }
         Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, &format!("tokenization failed: {e}")),
     }
 }

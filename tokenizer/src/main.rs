@@ -2,9 +2,6 @@
 //! `/metrics` on `http_listen`. Exits with status 2 on a bad configuration.
 
 use clap::Parser;
-use hyper::server::conn::http1;
-use hyper::service::service_fn;
-use hyper_util::rt::TokioIo;
 use kvroute_tokenizer::config::{Cli, Config};
 use kvroute_tokenizer::extproc::handler::StageProcessor;
 use kvroute_tokenizer::extproc::server::ExternalProcessorServer;
@@ -68,7 +65,7 @@ fn run(config: Config) -> Result<(), String> {
             tokio::spawn(kvroute_tokenizer::selfcheck::run(stage, urls, model, stats));
         }
         let app = Arc::new(http::App { stage, stats, max_body_bytes: config.max_body_bytes });
-        tokio::spawn(serve_http(http_listener, app));
+        tokio::spawn(kvroute_serve::serve_http1(http_listener, move |req| http::handle(app.clone(), req)));
         // Each answer is one small frame: without TCP_NODELAY it waits out Envoy's delayed
         // ACK (Nagle), ~40 ms per request (tonic sets it only on listeners it binds itself).
         let incoming =
@@ -81,46 +78,10 @@ fn run(config: Config) -> Result<(), String> {
             });
         tonic::transport::Server::builder()
             .add_service(grpc)
-            .serve_with_incoming_shutdown(incoming, shutdown_signal())
+            .serve_with_incoming_shutdown(incoming, kvroute_serve::shutdown_signal())
             .await
             .map_err(|e| format!("ext_proc server: {e}"))?;
         log::info!("stopped");
         Ok(())
     })
-}
-
-async fn serve_http(listener: tokio::net::TcpListener, app: Arc<http::App>) {
-    loop {
-        let (stream, _) = match listener.accept().await {
-            Ok(s) => s,
-            Err(e) => {
-                log::warn!("http accept: {e}");
-                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-                continue;
-            }
-        };
-        let _ = stream.set_nodelay(true);
-        let app = app.clone();
-        tokio::spawn(async move {
-            let svc = service_fn(move |req| http::handle(app.clone(), req));
-            if let Err(e) = http1::Builder::new().serve_connection(TokioIo::new(stream), svc).await {
-                log::debug!("http connection: {e}");
-            }
-        });
-    }
-}
-
-async fn shutdown_signal() {
-    let ctrl_c = tokio::signal::ctrl_c();
-    let term = async {
-        if let Ok(mut term) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            term.recv().await;
-        } else {
-            std::future::pending::<()>().await;
-        }
-    };
-    tokio::select! {
-        _ = ctrl_c => {}
-        _ = term => {}
-    }
 }

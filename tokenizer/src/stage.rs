@@ -61,6 +61,15 @@ impl Skip {
             Skip::Unsupported(_) => "unsupported",
         }
     }
+
+    /// The HTTP status and message vLLM answers such a request with: 404 for a model it
+    /// does not serve, 400 for the rest.
+    pub fn vllm_error(&self) -> (u16, String) {
+        match self {
+            Skip::UnknownModel(m) => (404, format!("The model `{m}` does not exist.")),
+            other => (400, other.to_string()),
+        }
+    }
 }
 
 impl std::fmt::Display for Skip {
@@ -155,12 +164,16 @@ impl Stage {
     }
 
     pub fn prompt(&self, endpoint: Endpoint, body: &[u8]) -> Result<Prompt, Skip> {
-        let req = Self::parse(body)?;
-        let (model, lora) = self.resolve(&req)?;
-        let cache_salt = cache_salt(&req)?;
+        self.prompt_of(endpoint, &Self::parse(body)?)
+    }
+
+    /// [`Stage::prompt`] of a body already parsed.
+    pub fn prompt_of(&self, endpoint: Endpoint, req: &Map<String, Value>) -> Result<Prompt, Skip> {
+        let (model, lora) = self.resolve(req)?;
+        let cache_salt = cache_salt(req)?;
         let (tokens, prompts) = match endpoint {
-            Endpoint::Completions => self.completion_tokens(model, &req)?,
-            Endpoint::ChatCompletions => (self.chat_tokens(model, &req)?, 1),
+            Endpoint::Completions => self.completion_tokens(model, req)?,
+            Endpoint::ChatCompletions => (self.chat_tokens(model, req)?, 1),
         };
         Ok(Prompt { tokens, lora, cache_salt, prompts })
     }
