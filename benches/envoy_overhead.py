@@ -131,39 +131,57 @@ def wrk(port, header_name, header_value, duration, connections):
             "non_2xx": int(non2xx.group(1)) if non2xx else 0}
 
 
-def pyload(port, header_name, header_value, duration, connections):
-    """A closed-loop HTTP/1.1 keep-alive client for what wrk cannot send (headers over
-    ~100 KB): one thread per connection, the request bytes built once."""
+def exchange(sock, buf, request):
+    """Sends one request on a keep-alive connection and reads its response: (the response
+    head, bytes already read past it)."""
+    sock.sendall(request)
+    while b"\r\n\r\n" not in buf:
+        chunk = sock.recv(65536)
+        if not chunk:
+            raise ConnectionError("closed")
+        buf += chunk
+    head, _, buf = buf.partition(b"\r\n\r\n")
+    length = int(re.search(rb"content-length: (\d+)", head, re.I).group(1))
+    while len(buf) < length:
+        buf += sock.recv(65536)
+    return head, buf[length:]
+
+
+def closed_loop(port, requests, duration, connections):
+    """A closed-loop HTTP/1.1 keep-alive client: one thread per connection, each sending
+    `requests` (bytes, built once) round after round for `duration` seconds. A connection
+    that fails is counted and opened again. Requests/s and latency percentiles of the
+    answers; non_2xx counts the answers that were not 2xx and the failed exchanges."""
     import socket
     import threading
-    request = (f"POST /v1/completions HTTP/1.1\r\nhost: bench\r\ncontent-length: 2\r\n"
-               f"{header_name}: {header_value}\r\n\r\n{{}}").encode()
     latencies, errors = [], [0]
     stop = time.time() + duration
     lock = threading.Lock()
 
-    def one_connection():
+    def connect():
         sock = socket.create_connection(("127.0.0.1", port))
-        buf = b""
-        mine = []
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock
+
+    def one_connection(k):
+        sock, buf, i, mine, failed = connect(), b"", k, [], 0
         while time.time() < stop:
             t0 = time.perf_counter()
-            sock.sendall(request)
-            while b"\r\n\r\n" not in buf:
-                buf += sock.recv(65536)
-            head, _, buf = buf.partition(b"\r\n\r\n")
-            length = int(re.search(rb"content-length: (\d+)", head, re.I).group(1))
-            while len(buf) < length:
-                buf += sock.recv(65536)
-            buf = buf[length:]
-            mine.append(time.perf_counter() - t0)
-            if not head.startswith(b"HTTP/1.1 2"):
-                errors[0] += 1
+            try:
+                head, buf = exchange(sock, buf, requests[i % len(requests)])
+                mine.append(time.perf_counter() - t0)
+                failed += not head.startswith(b"HTTP/1.1 2")
+            except OSError:
+                sock.close()
+                sock, buf = connect(), b""
+                failed += 1
+            i += connections
         sock.close()
         with lock:
             latencies.extend(mine)
+            errors[0] += failed
 
-    threads = [threading.Thread(target=one_connection) for _ in range(connections)]
+    threads = [threading.Thread(target=one_connection, args=(k,)) for k in range(connections)]
     start = time.time()
     for t in threads:
         t.start()
@@ -173,10 +191,17 @@ def pyload(port, header_name, header_value, duration, connections):
     latencies.sort()
 
     def pct(p):
-        return latencies[min(len(latencies) - 1, int(len(latencies) * p / 100))] * 1000
+        return latencies[min(len(latencies) - 1, int(len(latencies) * p / 100))] * 1000 if latencies else 0.0
 
     return {"rps": len(latencies) / elapsed, "p50_ms": pct(50), "p99_ms": pct(99), "requests": len(latencies),
             "non_2xx": errors[0]}
+
+
+def pyload(port, header_name, header_value, duration, connections):
+    """`closed_loop` for what wrk cannot send (headers over ~100 KB)."""
+    request = (f"POST /v1/completions HTTP/1.1\r\nhost: bench\r\ncontent-length: 2\r\n"
+               f"{header_name}: {header_value}\r\n\r\n{{}}").encode()
+    return closed_loop(port, [request], duration, connections)
 
 
 def load(port, header_name, header_value, duration, connections):

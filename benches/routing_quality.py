@@ -82,6 +82,18 @@ def policies(tuned):
     ]
 
 
+def named(items, wanted, what):
+    """The items (tuples, name first) that a comma-separated `wanted` names, in their own
+    order; all of them if `wanted` is empty. An unknown name ends the run."""
+    if not wanted:
+        return items
+    wanted = wanted.split(",")
+    unknown = set(wanted) - {i[0] for i in items}
+    if unknown:
+        sys.exit(f"unknown {what}: {', '.join(sorted(unknown))}")
+    return [i for i in items if i[0] in wanted]
+
+
 def workloads(args):
     """(name, load level, load-generator arguments, fleet settings). Rates are in model
     time here and multiplied by the fleet's speed-up below."""
@@ -120,12 +132,7 @@ def workloads(args):
     out.append(("mooncake_70", 0.7, None, {"blocks": 8192}))
     if args.quick:
         out = [w for w in out if w[0] in ("shared_prefix_70", "zipf_70")]
-    if args.workloads:
-        wanted = args.workloads.split(",")
-        unknown = set(wanted) - {w[0] for w in out}
-        if unknown:
-            sys.exit(f"unknown workloads: {', '.join(sorted(unknown))}")
-        out = [w for w in out if w[0] in wanted]
+    out = named(out, args.workloads, "workloads")
     if any(w[0] == "mooncake_70" for w in out):
         trace = pathlib.Path(args.trace)
         if trace.exists():
@@ -184,13 +191,7 @@ def main():
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    chosen = policies(args.tuned_weight)
-    if args.policies:
-        wanted = args.policies.split(",")
-        unknown = set(wanted) - {p[0] for p in chosen}
-        if unknown:
-            sys.exit(f"unknown policies: {', '.join(sorted(unknown))}")
-        chosen = [p for p in chosen if p[0] in wanted]
+    chosen = named(policies(args.tuned_weight), args.policies, "policies")
 
     procs = Processes()
     t_start = time.time()

@@ -27,20 +27,18 @@ import base64
 import json
 import os
 import pathlib
-import re
 import socket
 import statistics
 import struct
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benches"))
-from envoy_overhead import Port, Upstream  # noqa: E402
+from envoy_overhead import Port, Upstream, closed_loop, exchange  # noqa: E402
 from harness import TOKENIZER_DIR, Envoy, Tokenizer, render_config, wait_for  # noqa: E402
 from harness.kvfeed import FeedServer, FeedState  # noqa: E402
 
@@ -114,20 +112,6 @@ def request_bytes(body, header=None):
     return (head + "\r\n").encode() + body
 
 
-def exchange(sock, buf, request):
-    sock.sendall(request)
-    while b"\r\n\r\n" not in buf:
-        chunk = sock.recv(65536)
-        if not chunk:
-            raise ConnectionError("closed")
-        buf += chunk
-    head, _, buf = buf.partition(b"\r\n\r\n")
-    length = int(re.search(rb"content-length: (\d+)", head, re.I).group(1))
-    while len(buf) < length:
-        buf += sock.recv(65536)
-    return head, buf[length:]
-
-
 def sequential(port, requests):
     """One connection, one request after another: each request's latency (ms)."""
     sock = socket.create_connection(("127.0.0.1", port))
@@ -145,40 +129,6 @@ def sequential(port, requests):
     return times
 
 
-def closed_loop(port, requests, connections, duration):
-    """`connections` connections, each sending the requests round after round: requests/s
-    (a connection that fails is counted and opened again)."""
-    done, errors = [0] * connections, [0] * connections
-    stop = time.time() + duration
-
-    def connect():
-        sock = socket.create_connection(("127.0.0.1", port))
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return sock
-
-    def one(k):
-        sock, buf, i = connect(), b"", k
-        while time.time() < stop:
-            try:
-                head, buf = exchange(sock, buf, requests[i % len(requests)])
-                ok = head.startswith(b"HTTP/1.1 200")
-            except OSError:
-                sock.close()
-                sock, buf, ok = connect(), b"", False
-            i += connections
-            done[k] += ok
-            errors[k] += not ok
-        sock.close()
-
-    threads = [threading.Thread(target=one, args=(k,)) for k in range(connections)]
-    t0 = time.time()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return sum(done) / (time.time() - t0), sum(done), sum(errors)
-
-
 def cpu_seconds(pid):
     f = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
@@ -192,7 +142,8 @@ def pct(v, p):
 def measure(envoy, stage, requests, connections, duration):
     seq = sequential(envoy.port, requests)
     cpu0 = cpu_seconds(stage.proc.pid) if stage else 0
-    rps, n, errors = closed_loop(envoy.port, requests, connections, duration)
+    loop = closed_loop(envoy.port, requests, duration, connections)
+    rps, n, errors = loop["rps"], loop["requests"], loop["non_2xx"]
     stage_cpu_us = (cpu_seconds(stage.proc.pid) - cpu0) / max(n, 1) * 1e6 if stage else None
     warm = seq[len(seq) // 10:]  # the first tenth warms the connection and caches
     return {"p50_ms": round(pct(warm, 50), 3), "p99_ms": round(pct(warm, 99), 3), "max_ms": round(max(seq), 3),

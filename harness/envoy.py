@@ -5,14 +5,12 @@ import os
 import pathlib
 import re
 import shutil
-import subprocess
-import tempfile
 import urllib.request
 
 import yaml
 
-from .paths import ENVOY_YAML, ROOT, WASM
-from .procs import free_port, ready_or_stop, stop_process, wait_for, wait_http_ok
+from .paths import ENVOY_YAML, WASM
+from .procs import Service, free_port, ready_or_stop, wait_for, wait_http_ok
 
 
 def envoy_binary():
@@ -105,24 +103,20 @@ def _set_tokenizer(cfg, port):
             r.pop("typed_per_filter_config", None)
 
 
-class Envoy:
+class Envoy(Service):
     def __init__(self, config, listener_port, admin_port, concurrency=2, cpus=None):
         if not WASM.exists():
             raise RuntimeError(f"{WASM} missing: build it with "
                                "`cargo build --target wasm32-unknown-unknown --release`")
-        self.dir = tempfile.mkdtemp(prefix="kvroute-envoy-")
+        self._workdir("envoy")
         self.config_path = os.path.join(self.dir, "envoy.json")
         with open(self.config_path, "w") as f:
             json.dump(config, f)
-        self.log_path = os.path.join(self.dir, "envoy.log")
         self.port = listener_port
         self.admin = admin_port
-        self.log = open(self.log_path, "w")
         pin = ["taskset", "-c", cpus] if cpus else []
-        self.proc = subprocess.Popen(
-            pin + [envoy_binary(), "-c", self.config_path, "--concurrency", str(concurrency),
-             "--base-id", str(admin_port), "-l", "warning", "--component-log-level", "wasm:info"],
-            stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT)
+        self._spawn(pin + [envoy_binary(), "-c", self.config_path, "--concurrency", str(concurrency),
+                           "--base-id", str(admin_port), "-l", "warning", "--component-log-level", "wasm:info"])
         ready_or_stop(self, self._wait_ready)
 
     def _wait_ready(self, timeout=30):
@@ -132,9 +126,6 @@ class Envoy:
         """User + system CPU time Envoy has used so far."""
         fields = pathlib.Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-    def logs(self):
-        return pathlib.Path(self.log_path).read_text(errors="replace")
 
     def stats(self, pattern=""):
         with urllib.request.urlopen(
@@ -161,9 +152,6 @@ class Envoy:
             return r.status, dict((k.lower(), v) for k, v in r.getheaders()), r.read()
         finally:
             conn.close()
-
-    def stop(self):
-        stop_process(self.proc, self.log, self.dir)
 
 
 def wait_synced(envoy, sidecar):

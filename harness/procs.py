@@ -5,8 +5,42 @@ import pathlib
 import shutil
 import socket
 import subprocess
+import tempfile
 import time
 import urllib.request
+
+from .paths import ROOT
+
+
+class Service:
+    """A process a script starts: a temporary directory (its configuration files and its
+    log), the log, and stopping it (the directory goes with it)."""
+
+    def _workdir(self, name):
+        self.dir = tempfile.mkdtemp(prefix=f"kvroute-{name}-")
+        self.log_path = os.path.join(self.dir, f"{name}.log")
+        return self.dir
+
+    def _spawn(self, cmd, **popen):
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT, **popen)
+
+    def logs(self):
+        return pathlib.Path(self.log_path).read_text(errors="replace")
+
+    def stop(self, kill=False):
+        stop_process(self.proc, self.log, self.dir, kill)
+
+
+def prometheus(url, labels=True):
+    """A /metrics page as {'name{labels}': value} (labels=False: {'name': value})."""
+    out = {}
+    with urllib.request.urlopen(url, timeout=5) as r:
+        for line in r.read().decode().splitlines():
+            if line and not line.startswith("#"):
+                k, v = line.rsplit(" ", 1)
+                out[k if labels else k.split("{")[0]] = float(v)
+    return out
 
 
 def free_port():

@@ -4,16 +4,14 @@ import json
 import os
 import pathlib
 import resource
-import subprocess
-import tempfile
 import time
 import urllib.request
 
-from .paths import FLEET, ROOT, SIDECAR, TOKENIZER, TOKENIZER_DIR
-from .procs import free_port, ready_or_stop, stop_process, wait_for, wait_http_ok
+from .paths import FLEET, SIDECAR, TOKENIZER, TOKENIZER_DIR
+from .procs import Service, free_port, prometheus, ready_or_stop, wait_for, wait_http_ok
 
 
-class Sidecar:
+class Sidecar(Service):
     """The real kvroute-sidecar binary with a generated TOML config.
     workers: [(id, events_endpoint, replay_endpoint or None, role[, dp_ranks])]."""
 
@@ -21,7 +19,7 @@ class Sidecar:
         if not SIDECAR.exists():
             raise RuntimeError(f"{SIDECAR} missing: build it with `cargo build --release -p kvroute-sidecar`")
         self.port = port or free_port()
-        self.dir = tempfile.mkdtemp(prefix="kvroute-sidecar-")
+        self._workdir("sidecar")
         lines = [f"block_size = {block_size}", f'listen = "127.0.0.1:{self.port}"']
         settings = {"health_interval_ms": 200, "silent_after_ms": 1000, "replay_timeout_ms": 1000}
         settings.update(extra or {})
@@ -35,23 +33,17 @@ class Sidecar:
                 lines.append(f"dp_ranks = {dp[0]}")
         self.config_path = os.path.join(self.dir, "sidecar.toml")
         pathlib.Path(self.config_path).write_text("\n".join(lines) + "\n")
-        self.log_path = os.path.join(self.dir, "sidecar.log")
-        self.log = open(self.log_path, "w")
         # address_space: bytes of virtual memory the process may map (RLIMIT_AS), as under a
         # container's memory limit; past it an allocation fails and the process aborts.
         limit = (lambda: resource.setrlimit(resource.RLIMIT_AS, (address_space, address_space))) \
             if address_space else None
-        self.proc = subprocess.Popen([str(SIDECAR), "--config", self.config_path, *args],
-                                     stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT,
-                                     env={**os.environ, "RUST_LOG": "info"}, preexec_fn=limit)
+        self._spawn([str(SIDECAR), "--config", self.config_path, *args],
+                    env={**os.environ, "RUST_LOG": "info"}, preexec_fn=limit)
         if wait:
             ready_or_stop(self, self._wait_ready)
 
     def _wait_ready(self, timeout=15):
         wait_http_ok(self.proc, f"http://127.0.0.1:{self.port}/healthz", "sidecar", self.logs, timeout)
-
-    def logs(self):
-        return pathlib.Path(self.log_path).read_text(errors="replace")
 
     def get(self, path, timeout=10):
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
@@ -71,21 +63,13 @@ class Sidecar:
 
     def metrics(self):
         """{'name{labels}': value} from /metrics."""
-        out = {}
-        for line in self.get("/metrics")[1].decode().splitlines():
-            if line and not line.startswith("#"):
-                k, v = line.rsplit(" ", 1)
-                out[k] = float(v)
-        return out
+        return prometheus(f"http://127.0.0.1:{self.port}/metrics")
 
     def metric(self, key):
         return self.metrics().get(key, 0.0)
 
-    def stop(self, kill=False):
-        stop_process(self.proc, self.log, self.dir, kill)
 
-
-class Tokenizer:
+class Tokenizer(Service):
     """The real kvroute-tokenizer binary (the stage), Qwen3's tokenizer by default.
     models: [(name, dir, loras)]; extra: more TOML settings."""
 
@@ -95,7 +79,7 @@ class Tokenizer:
         if not (TOKENIZER_DIR / "tokenizer.json").exists():
             raise RuntimeError(f"{TOKENIZER_DIR} missing: run scripts/fetch-tokenizer.sh")
         self.grpc_port, self.http_port = free_port(), free_port()
-        self.dir = tempfile.mkdtemp(prefix="kvroute-tokenizer-")
+        self._workdir("tokenizer")
         lines = [f'grpc_listen = "127.0.0.1:{self.grpc_port}"', f'http_listen = "127.0.0.1:{self.http_port}"']
         for k, v in (extra or {}).items():
             lines.append(f"{k} = {json.dumps(v)}")
@@ -106,16 +90,10 @@ class Tokenizer:
                 lines.append(f"chat_template = {json.dumps(chat_template)}")
         self.config_path = os.path.join(self.dir, "tokenizer.toml")
         pathlib.Path(self.config_path).write_text("\n".join(lines) + "\n")
-        self.log_path = os.path.join(self.dir, "tokenizer.log")
-        self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen([str(TOKENIZER), "--config", self.config_path], stdout=self.log,
-                                     stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, "RUST_LOG": "info"})
+        self._spawn([str(TOKENIZER), "--config", self.config_path], env={**os.environ, "RUST_LOG": "info"})
         if wait:
             ready_or_stop(self, lambda: wait_http_ok(self.proc, f"http://127.0.0.1:{self.http_port}/healthz",
                                                      "tokenizer", self.logs, 30))
-
-    def logs(self):
-        return pathlib.Path(self.log_path).read_text(errors="replace")
 
     def tokenize(self, body):
         """POST /tokenize: (status, JSON answer)."""
@@ -128,22 +106,13 @@ class Tokenizer:
             conn.close()
 
     def metrics(self):
-        out = {}
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/metrics", timeout=5) as r:
-            for line in r.read().decode().splitlines():
-                if line and not line.startswith("#"):
-                    k, v = line.rsplit(" ", 1)
-                    out[k] = float(v)
-        return out
+        return prometheus(f"http://127.0.0.1:{self.http_port}/metrics")
 
     def outcome(self, name):
         return self.metrics().get(f'kvroute_tokenizer_requests_total{{outcome="{name}"}}', 0.0)
 
-    def stop(self, kill=False):
-        stop_process(self.proc, self.log, self.dir, kill)
 
-
-class MockEngine:
+class MockEngine(Service):
     """A kvroute-fleet mock engine (vLLM's API, prefix cache and KV events).
     events/replay: ZMQ endpoints to publish on (None: no events); tokenizer: a tokenizer
     directory (text prompts and chats tokenized as vLLM does), None: token ids only."""
@@ -164,14 +133,9 @@ class MockEngine:
             if topic is not None:
                 cfg["topic"] = topic
             cmd += ["--kv-events-config", json.dumps(cfg)]
-        self.dir = tempfile.mkdtemp(prefix="kvroute-engine-")
-        self.log_path = os.path.join(self.dir, "engine.log")
-        self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT)
+        self._workdir("engine")
+        self._spawn(cmd)
         ready_or_stop(self, lambda: wait_http_ok(self.proc, f"http://{self.id}/health", "engine", self.logs, 15))
-
-    def logs(self):
-        return pathlib.Path(self.log_path).read_text(errors="replace")
 
     def complete(self, prompt, max_tokens=4, stream=False):
         """POST /v1/completions directly; returns (seconds to first byte, response JSON)."""
@@ -188,16 +152,7 @@ class MockEngine:
             conn.close()
 
     def metrics(self):
-        out = {}
-        with urllib.request.urlopen(f"http://{self.id}/metrics", timeout=5) as r:
-            for line in r.read().decode().splitlines():
-                if line and not line.startswith("#"):
-                    k, v = line.rsplit(" ", 1)
-                    out[k.split("{")[0]] = float(v)
-        return out
-
-    def stop(self):
-        stop_process(self.proc, self.log, self.dir)
+        return prometheus(f"http://{self.id}/metrics", labels=False)
 
 
 def start_fleet(procs, n, blocks, speedup, tokenizer=None):
