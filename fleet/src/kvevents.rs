@@ -450,7 +450,7 @@ mod tests {
         for form in WireForm::value_variants() {
             let b = decode_batch(&encode_batch(*form, 1700000000.25, &events, 3)).unwrap();
             let rank = if *form == WireForm::Vllm090 { None } else { Some(3) };
-            assert_eq!((b.ts, b.dp_rank), (1700000000.25, rank), "{form:?}");
+            assert_eq!((b.tail.ts, b.tail.dp_rank), (1700000000.25, rank), "{form:?}");
             let Event::Stored(s) = &b.events[0] else { panic!() };
             assert_eq!(
                 (s.block_hashes.clone(), s.parent, s.block_size, s.medium),

@@ -136,14 +136,8 @@ pub enum Event {
 /// A whole decoded batch ([`decode_batch`]).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Batch {
-    /// Publisher's wall clock, seconds since the epoch.
-    pub ts: f64,
     pub events: Vec<Event>,
-    /// The data-parallel rank the publisher reports, if any.
-    pub dp_rank: Option<u32>,
-    /// Events of a type this sidecar does not know (counted, skipped), and the first one's tag.
-    pub unknown: u64,
-    pub first_unknown: Option<String>,
+    pub tail: BatchTail,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -172,15 +166,16 @@ pub fn decode_batch(payload: &[u8]) -> Result<Batch, DecodeError> {
     while let Some(e) = reader.next_event()? {
         events.push(e);
     }
-    let tail = reader.finish()?;
-    Ok(Batch { ts: tail.ts, events, dp_rank: tail.dp_rank, unknown: tail.unknown, first_unknown: tail.first_unknown })
+    Ok(Batch { events, tail: reader.finish()? })
 }
 
 /// What a batch says besides its events, known once they are read (a map batch may put
 /// `ts` after them).
 #[derive(Debug, Clone, PartialEq)]
 pub struct BatchTail {
+    /// Publisher's wall clock, seconds since the epoch.
     pub ts: f64,
+    /// The data-parallel rank the publisher reports, if any.
     pub dp_rank: Option<u32>,
     /// Events of a type this sidecar does not know (counted, skipped), and the first one's tag.
     pub unknown: u64,
@@ -592,8 +587,8 @@ mod tests {
         p.extend_from_slice(b"AllBlocksCleared");
         p.push(0x03);
         let b = decode_batch(&p).unwrap();
-        assert_eq!(b.ts, 1.5);
-        assert_eq!(b.dp_rank, Some(3));
+        assert_eq!(b.tail.ts, 1.5);
+        assert_eq!(b.tail.dp_rank, Some(3));
         assert_eq!(b.events.len(), 2);
         let s = stored(&b, 0);
         assert_eq!((s.block_hashes.as_slice(), s.parent, s.token_ids.as_slice()), (&[7u64][..], None, &[1u32, 2][..]));
@@ -654,7 +649,7 @@ mod tests {
         p.extend_from_slice(b"AllBlocksCleared");
         let b = decode_batch(&p).unwrap();
         assert_eq!(
-            (b.events.as_slice(), b.unknown, b.first_unknown.as_deref()),
+            (b.events.as_slice(), b.tail.unknown, b.tail.first_unknown.as_deref()),
             (&[Event::Cleared][..], 2, Some("Renamed"))
         );
     }
@@ -681,7 +676,7 @@ mod tests {
         p.extend_from_slice(b"data_parallel_rank");
         p.push(0x01);
         let b = decode_batch(&p).unwrap();
-        assert_eq!((b.ts, b.dp_rank, b.events.as_slice()), (2.0, Some(1), &[Event::Cleared][..]));
+        assert_eq!((b.tail.ts, b.tail.dp_rank, b.events.as_slice()), (2.0, Some(1), &[Event::Cleared][..]));
         // Without `ts`, or with `events` twice: errors.
         let mut no_ts = vec![0x81, 0xa6];
         no_ts.extend_from_slice(b"events");

@@ -5,7 +5,7 @@
 use crate::cache::{Change, Outcome, WorkerCache};
 use crate::changelog::ChangeLog;
 use crate::config::{Config, WorkerConfig};
-use crate::events::{Batch, BatchReader, DecodeError, Event, GroupKind};
+use crate::events::{Batch, BatchReader, BatchTail, DecodeError, Event, GroupKind};
 use bytes::Bytes;
 use kvroute::feed::{FeedBlock, FeedWorker, Frame, FrameKind, Op};
 use kvroute::layout::Role;
@@ -172,8 +172,7 @@ impl Fleet {
             }
             reader.finish()
         })?;
-        self.count_unknown(w, tail.unknown, tail.first_unknown.as_deref());
-        self.batch_done(w, rank, seq, tail.ts, now, now_unix);
+        self.batch_done(w, rank, seq, &tail, now, now_unix);
         Ok(())
     }
 
@@ -185,8 +184,7 @@ impl Fleet {
             }
             Ok(())
         });
-        self.count_unknown(w, batch.unknown, batch.first_unknown.as_deref());
-        self.batch_done(w, rank, seq, batch.ts, now, now_unix);
+        self.batch_done(w, rank, seq, &batch.tail, now, now_unix);
     }
 
     /// Runs `apply` (which collects changes, and flags any it logged itself), then logs what
@@ -208,23 +206,21 @@ impl Fleet {
         result
     }
 
-    /// A whole batch was applied: counted, and the rank's last sequence and lag noted.
-    fn batch_done(&mut self, w: usize, rank: usize, seq: u64, ts: f64, now: Instant, now_unix: f64) {
+    /// A whole batch was applied: counted (its events of unknown types too), and the rank's
+    /// last sequence and lag noted.
+    fn batch_done(&mut self, w: usize, rank: usize, seq: u64, tail: &BatchTail, now: Instant, now_unix: f64) {
+        if let Some(i) = Outcome::ALL.iter().position(|o| *o == Outcome::Malformed) {
+            self.stats.events[EVENT_TYPES.len() - 1][i] += tail.unknown;
+        }
         let Some(worker) = self.workers.get_mut(w) else { return };
+        if let Some(tag) = &tail.first_unknown {
+            log::debug!("worker {}: skipped {} events of unknown types, first {tag:?}", worker.config.id, tail.unknown);
+        }
         self.stats.batches += 1;
         if let Some(r) = worker.ranks.get_mut(rank) {
             r.last_seq = Some(seq);
             r.last_event_at = Some(now);
-            r.lag_ms = Some(((now_unix - ts) * 1000.0).max(0.0));
-        }
-    }
-
-    fn count_unknown(&mut self, w: usize, unknown: u64, first: Option<&str>) {
-        if let (Some(tag), Some(worker)) = (first, self.workers.get(w)) {
-            log::debug!("worker {}: skipped {unknown} events of unknown types, first {tag:?}", worker.config.id);
-        }
-        if let Some(i) = Outcome::ALL.iter().position(|o| *o == Outcome::Malformed) {
-            self.stats.events[EVENT_TYPES.len() - 1][i] += unknown;
+            r.lag_ms = Some(((now_unix - tail.ts) * 1000.0).max(0.0));
         }
     }
 
@@ -538,7 +534,7 @@ mod tests {
     }
 
     fn batch(events: Vec<Event>) -> Batch {
-        Batch { ts: 0.0, events, dp_rank: None, unknown: 0, first_unknown: None }
+        Batch { events, tail: BatchTail { ts: 0.0, dp_rank: None, unknown: 0, first_unknown: None } }
     }
 
     fn frame(r: FeedReply) -> Frame {
