@@ -3,7 +3,8 @@
 simulated fleet's mock engines, started on loopback ports and always stopped again.
 
   - paths:    the built binaries and the shipped configuration
-  - procs:    starting, waiting for and stopping processes (Processes stops all on Ctrl-C)
+  - procs:    starting, waiting for and stopping processes (Service: a process's directory,
+              log and stop; Processes stops all on Ctrl-C), prometheus() for /metrics
   - envoy:    envoy/envoy.yaml rendered for a run, and Envoy itself
   - services: Sidecar, Tokenizer (the stage), MockEngine; start_fleet, reset_fleet
   - kvfeed:   the feed protocol from its document alone, and a feed server

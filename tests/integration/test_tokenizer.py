@@ -5,13 +5,14 @@ that caches their prefix; everything the stage cannot read is routed by load, ne
 import contextlib
 import json
 import pathlib
+import subprocess
 import time
 import urllib.request
 
 import openai
 import pytest
 
-from harness import ROOT, TOKENIZER_DIR, Envoy, Tokenizer, render_config, wait_for
+from harness import FLEET, ROOT, TOKENIZER_DIR, Envoy, Tokenizer, render_config, start_fleet, wait_for, wait_synced
 from harness.kvfeed import FeedServer, FeedState, namespace
 from upstream import Worker
 
@@ -73,6 +74,48 @@ def stage_setup():
     yield make
     for s in made:
         s.stop()
+
+
+class FleetBehindStage:
+    """Mock engines that tokenize with Qwen3 (model `mock-llm`), their sidecar, the stage and
+    an Envoy with both filters: the whole path a plain OpenAI request takes."""
+
+    def __init__(self, n, blocks, speedup, max_model_len, filter_config):
+        self.started = []
+        try:
+            self.engines, self.sidecar = start_fleet(self, n, blocks, speedup, tokenizer=TOKENIZER_DIR)
+            self.stage = self.add(Tokenizer(models=[("mock-llm", TOKENIZER_DIR, [])], max_model_len=max_model_len))
+            cfg, self.port, ap = render_config(self.engines, self.sidecar.port, filter_config,
+                                               tokenizer_port=self.stage.grpc_port)
+            self.envoy = self.add(Envoy(cfg, self.port, ap))
+            wait_synced(self.envoy, self.sidecar)
+        except BaseException:
+            self.stop()
+            raise
+
+    def add(self, p):
+        """Registers a started process (start_fleet calls it too)."""
+        self.started.append(p)
+        return p
+
+    def stop(self):
+        for p in reversed(self.started):
+            with contextlib.suppress(Exception):
+                p.stop()
+
+
+@pytest.fixture
+def fleet_behind_stage():
+    made = []
+
+    def make(**kw):
+        f = FleetBehindStage(**kw)
+        made.append(f)
+        return f
+
+    yield make
+    for f in made:
+        f.stop()
 
 
 def debug_fields(headers):
@@ -209,47 +252,38 @@ def test_the_startup_self_check_compares_with_a_workers_tokenize():
             t.stop()
 
 
-def test_plain_chats_hit_the_engines_prefix_cache_through_the_stage():
+def test_plain_chats_hit_the_engines_prefix_cache_through_the_stage(fleet_behind_stage):
     """The whole path with nothing written by the client but the chat: the openai client →
     Envoy (the stage, then kvroute) → mock engines that tokenize with the same tokenizer
     and template as vLLM, publishing KV events to the sidecar. A second chat sharing the
     system prompt lands on the worker holding it and is served from its cache; the engine's
     prompt ids are the stage's."""
-    from harness import Processes, start_fleet, wait_synced
-    procs = Processes()
-    try:
-        engines, sidecar = start_fleet(procs, 3, 2000, 10.0, tokenizer=TOKENIZER_DIR)
-        stage = procs.add(Tokenizer(models=[("mock-llm", TOKENIZER_DIR, [])], max_model_len=32000))
-        cfg, port, ap = render_config(engines, sidecar.port, {"debug_header": DEBUG},
-                                      tokenizer_port=stage.grpc_port)
-        envoy = procs.add(Envoy(cfg, port, ap))
-        wait_synced(envoy, sidecar)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
-        system = {"role": "system", "content": " ".join(["You answer questions about the fleet's prefix cache."] * 40)}
+    f = fleet_behind_stage(n=3, blocks=2000, speedup=10.0, max_model_len=32000, filter_config={"debug_header": DEBUG})
+    sidecar, stage = f.sidecar, f.stage
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{f.port}/v1", api_key="unused", max_retries=0)
+    system = {"role": "system", "content": " ".join(["You answer questions about the fleet's prefix cache."] * 40)}
 
-        def chat(question):
-            raw = client.chat.completions.with_raw_response.create(
-                model="mock-llm", max_tokens=4, extra_body={"return_token_ids": True},
-                messages=[system, {"role": "user", "content": question}])
-            return raw.http_response.json()
+    def chat(question):
+        raw = client.chat.completions.with_raw_response.create(
+            model="mock-llm", max_tokens=4, extra_body={"return_token_ids": True},
+            messages=[system, {"role": "user", "content": question}])
+        return raw.http_response.json()
 
-        first = chat("How many blocks does a worker hold?")
-        worker = first["kvroute_worker"]
-        assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-        # The engine's ids for the chat are the stage's (its /tokenize, same request).
-        _, tok = stage.tokenize({"model": "mock-llm", "messages": [
-            system, {"role": "user", "content": "How many blocks does a worker hold?"}]})
-        assert first["prompt_token_ids"] == tok["tokens"] and len(tok["tokens"]) > 400
-        shared_blocks = len(tok["tokens"]) // 16 - 2  # the question differs in the last blocks
-        wait_for(lambda: sidecar.block_count(worker) >= shared_blocks, what="the blocks reach the sidecar")
-        wait_synced(envoy, sidecar)
-        time.sleep(0.3)  # the first request's in-flight blocks are released after its response
-        second = chat("And how are they evicted?")
-        assert second["kvroute_worker"] == worker
-        assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= shared_blocks * 16
-        assert stage.outcome("tokenized") == 2
-    finally:
-        procs.stop_all()
+    first = chat("How many blocks does a worker hold?")
+    worker = first["kvroute_worker"]
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    # The engine's ids for the chat are the stage's (its /tokenize, same request).
+    _, tok = stage.tokenize({"model": "mock-llm", "messages": [
+        system, {"role": "user", "content": "How many blocks does a worker hold?"}]})
+    assert first["prompt_token_ids"] == tok["tokens"] and len(tok["tokens"]) > 400
+    shared_blocks = len(tok["tokens"]) // 16 - 2  # the question differs in the last blocks
+    wait_for(lambda: sidecar.block_count(worker) >= shared_blocks, what="the blocks reach the sidecar")
+    wait_synced(f.envoy, sidecar)
+    time.sleep(0.3)  # the first request's in-flight blocks are released after its response
+    second = chat("And how are they evicted?")
+    assert second["kvroute_worker"] == worker
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= shared_blocks * 16
+    assert stage.outcome("tokenized") == 2
 
 
 def test_the_stage_answers_without_waiting_on_delayed_acks(stage_setup):
@@ -271,31 +305,21 @@ def test_the_stage_answers_without_waiting_on_delayed_acks(stage_setup):
 
 
 @pytest.mark.parametrize("form", ["chat", "text"])
-def test_the_load_generator_sends_plain_openai_requests(form, tmp_path):
+def test_the_load_generator_sends_plain_openai_requests(form, tmp_path, fleet_behind_stage):
     """`kvroute-fleet load --send chat|text`: multi-turn conversations written as plain
     OpenAI requests (no token ids anywhere), through the stage and kvroute to engines
     that tokenize them; later turns are served from the cache their earlier turns left."""
-    import subprocess
-    from harness import FLEET, Processes, start_fleet, wait_synced
-    procs = Processes()
-    try:
-        engines, sidecar = start_fleet(procs, 2, 1000, 20.0, tokenizer=TOKENIZER_DIR)
-        stage = procs.add(Tokenizer(models=[("mock-llm", TOKENIZER_DIR, [])], max_model_len=16000))
-        cfg, port, ap = render_config(engines, sidecar.port, {"overlap_weight": 4.0}, tokenizer_port=stage.grpc_port)
-        envoy = procs.add(Envoy(cfg, port, ap))
-        wait_synced(envoy, sidecar)
-        out = tmp_path / "load.json"
-        subprocess.run([str(FLEET), "load", "--target", f"127.0.0.1:{port}", "--send", form,
-                        "--tokenizer", str(TOKENIZER_DIR), "--workload", "chat", "--conversations", "3",
-                        "--turns", "3", "--system-prompt-len", "300", "--question-len", "20",
-                        "--output-len", "8", "--rate", "20", "--quiet", "--json", str(out)],
-                       check=True, stdout=subprocess.DEVNULL, timeout=120)
-        r = json.loads(out.read_text())
-        assert (r["requests"], r["failed"], r["sent_as"], r["token_header"]) == (9, 0, form, False)
-        assert stage.outcome("tokenized") == 9
-        # Turns 2 and 3 of each conversation find their earlier turns cached.
-        later = [s for s in r["samples"] if s["cached_tokens"] > 0]
-        assert len(later) >= 6 and r["hit_rate"] > 0.5, r
-        assert r["oracle_hit_rate"] > 0.5
-    finally:
-        procs.stop_all()
+    f = fleet_behind_stage(n=2, blocks=1000, speedup=20.0, max_model_len=16000, filter_config={"overlap_weight": 4.0})
+    out = tmp_path / "load.json"
+    subprocess.run([str(FLEET), "load", "--target", f"127.0.0.1:{f.port}", "--send", form,
+                    "--tokenizer", str(TOKENIZER_DIR), "--workload", "chat", "--conversations", "3",
+                    "--turns", "3", "--system-prompt-len", "300", "--question-len", "20",
+                    "--output-len", "8", "--rate", "20", "--quiet", "--json", str(out)],
+                   check=True, stdout=subprocess.DEVNULL, timeout=120)
+    r = json.loads(out.read_text())
+    assert (r["requests"], r["failed"], r["sent_as"], r["token_header"]) == (9, 0, form, False)
+    assert f.stage.outcome("tokenized") == 9
+    # Turns 2 and 3 of each conversation find their earlier turns cached.
+    later = [s for s in r["samples"] if s["cached_tokens"] > 0]
+    assert len(later) >= 6 and r["hit_rate"] > 0.5, r
+    assert r["oracle_hit_rate"] > 0.5
