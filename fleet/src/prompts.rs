@@ -119,8 +119,7 @@ mod tests {
     use crate::text::{test_model, Words};
 
     fn qwen3() -> Prompts {
-        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/tokenizers/qwen3");
-        Prompts::new("qwen3", Some(&dir), 40960).unwrap()
+        Prompts::new("qwen3", Some(&crate::text::test_tokenizer_dir()), 40960).unwrap()
     }
 
     #[test]

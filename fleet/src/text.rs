@@ -96,15 +96,21 @@ impl Words {
     }
 }
 
-/// The Qwen3 tokenizer `scripts/fetch-tokenizer.sh` fetches, for tests (which fail, saying
-/// so, if it has not been fetched).
+/// The directory of the Qwen3 tokenizer `scripts/fetch-tokenizer.sh` fetches, for tests
+/// (which fail, saying so, if it has not been fetched).
+#[cfg(test)]
+pub(crate) fn test_tokenizer_dir() -> std::path::PathBuf {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/tokenizers/qwen3");
+    assert!(dir.join("tokenizer.json").exists(), "{} missing: run scripts/fetch-tokenizer.sh", dir.display());
+    dir
+}
+
+/// That tokenizer, loaded.
 #[cfg(test)]
 pub(crate) fn test_model() -> Model {
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/tokenizers/qwen3");
-    assert!(dir.join("tokenizer.json").exists(), "{} missing: run scripts/fetch-tokenizer.sh", dir.display());
     Model::load(&ModelSpec {
         name: "qwen3".into(),
-        path: dir,
+        path: test_tokenizer_dir(),
         max_model_len: Some(40960),
         loras: vec![],
         chat_template: None,
