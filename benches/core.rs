@@ -10,7 +10,7 @@ use kvroute::index::{publish, SyncIndex};
 use kvroute::layout::Role;
 use kvroute::memstore::MemStore;
 use kvroute::router::{Router, TokenSource};
-use kvroute::score::{rank, worker_key, Candidate};
+use kvroute::score::{rank, worker_key, Candidate, Weights};
 use kvroute::tokens::{decode_tokens, encode_base64, encode_decimal, TokenEncoding};
 
 const SIZES: [usize; 3] = [1024, 8192, 32768];
@@ -59,12 +59,14 @@ fn ranking(c: &mut Criterion) {
                 cache_hits: (s as u32 * 7) % 100,
                 offloaded_hits: 0,
                 active_blocks: (s as u32 * 13) % 500,
+                pending_prefill: (s as u32 * 5) % 200,
                 worker_key: worker_key(&format!("10.0.{}.{}:8000", s / 250, s % 250)),
             })
             .collect();
         let mut out = Vec::new();
+        let weights = Weights { overlap: 1.0, prefill_load: 1.0, offload_hit_credit: 0.5 };
         g.bench_with_input(BenchmarkId::new("workers", workers), &cands, |b, cands| {
-            b.iter(|| rank(black_box(cands), 1.0, 0.5, 128, 42, &mut out))
+            b.iter(|| rank(black_box(cands), weights, 128, 42, &mut out))
         });
     }
     g.finish();

@@ -11,6 +11,13 @@ closed-loop client for 32k-token prompts, whose ~175 KB header wrk cannot send):
   cold      the filter, with the sync service fed a fleet of 16 workers holding nothing
   warm      the filter, every worker holding part of the request's prefix: the scan reads
             every segment bucket (the most shared-data reads a request of that size makes)
+  fresh     cold with predict-on-route off and --distinct N different prompts in turn: no
+            request is a hit or shares a prompt in flight, so every one is charged its
+            prefill and releases it at its first response bytes (the most load-term work a
+            request causes). With --distinct every variant is loaded by the Python client
+  cold_literal, warm_literal, fresh_literal
+            the same with the specification's formula read literally (active_blocks as they
+            are, no prefill term): what the load terms cost per request
 
 for 2k- and 32k-token prompts (base64 token header; 2k also in decimal). Reports
 throughput relative to plain, added latency, and shared-data reads per request.
@@ -211,17 +218,33 @@ def load(port, header_name, header_value, duration, connections):
     return wrk(port, header_name, header_value, duration, connections)
 
 
-def run_variant(name, upstream, prompt, encoding, duration, connections):
+def header_of(name, prompt, encoding):
+    if name == "notokens":
+        # The filter runs, the header is one it does not read: its fixed cost alone.
+        return "x-unrelated", base64.b64encode(struct.pack(f"<{len(prompt)}I", *prompt)).decode()
+    if encoding == "base64":
+        return "x-prompt-token-ids-b64", base64.b64encode(struct.pack(f"<{len(prompt)}I", *prompt)).decode()
+    return "x-prompt-token-ids", ",".join(map(str, prompt))
+
+
+def run_variant(name, upstream, prompt, encoding, duration, connections, distinct=0):
     workers = [Port(p) for p in upstream.ports]
     state = FeedState()
     state.set_workers([(f"127.0.0.1:{w.port}", "both", True) for w in workers])
+    literal = name.endswith("_literal")
+    name = name.removesuffix("_literal")
     if name == "warm":
         for i, w in enumerate(workers):
             # Worker i holds (i+1)/16 of the prompt: every segment has a holder.
             n = len(prompt) * (i + 1) // N_WORKERS // 16 * 16
             state.store(f"127.0.0.1:{w.port}", prompt[:n])
     feed = FeedServer(state)
-    cfg, lp, ap = render_config(workers, feed.port, {"max_tokens": 131072})
+    filter_cfg = {"max_tokens": 131072}
+    if name == "fresh":
+        filter_cfg["predict_on_route"] = False
+    if literal:
+        filter_cfg.update(active_blocks="in_flight", prefill_load_weight=0)
+    cfg, lp, ap = render_config(workers, feed.port, filter_cfg)
     if name == "plain":
         hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
         hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] != "envoy.filters.http.wasm"]
@@ -230,17 +253,23 @@ def run_variant(name, upstream, prompt, encoding, duration, connections):
     try:
         if name != "plain":
             wait_for(lambda: envoy.stat("kvroute_sync.version") >= state.version, what="feed applied")
-        if name == "notokens":
-            # The filter runs, the header is one it does not read: its fixed cost alone.
-            header = ("x-unrelated", base64.b64encode(struct.pack(f"<{len(prompt)}I", *prompt)).decode())
-        elif encoding == "base64":
-            header = ("x-prompt-token-ids-b64", base64.b64encode(struct.pack(f"<{len(prompt)}I", *prompt)).decode())
+        if distinct:
+            # Prompts that differ from their first block on, sent in turn.
+            requests = [("POST /v1/completions HTTP/1.1\r\nhost: bench\r\ncontent-length: 2\r\n"
+                         "%s: %s\r\n\r\n{}" % header_of(name, [i, *prompt[1:]], encoding)).encode()
+                        for i in range(distinct)]
+
+            def run(seconds):
+                return closed_loop(lp, requests, seconds, connections)
         else:
-            header = ("x-prompt-token-ids", ",".join(map(str, prompt)))
-        load(lp, *header, 2, connections)  # warm-up
+            header = header_of(name, prompt, encoding)
+
+            def run(seconds):
+                return load(lp, *header, seconds, connections)
+        run(2)  # warm-up
         before = envoy.stats("kvroute")
         cpu0 = envoy.cpu_seconds()
-        result = load(lp, *header, duration, connections)
+        result = run(duration)
         result["envoy_cpu_us_per_request"] = (envoy.cpu_seconds() - cpu0) / max(result["requests"], 1) * 1e6
         after = envoy.stats("kvroute")
 
@@ -251,6 +280,7 @@ def run_variant(name, upstream, prompt, encoding, duration, connections):
         reqs = delta("kvroute.requests")
         if name != "plain":
             result["shared_reads_per_request"] = round(delta("kvroute.shared_reads") / max(reqs, 1), 2)
+            result["prefill_releases_per_request"] = round(delta("kvroute.prefill_releases") / max(reqs, 1), 3)
             result["hit_rate"] = round(delta("kvroute.blocks_hit") / max(delta("kvroute.blocks_requested"), 1), 3)
             result["scored"] = delta("kvroute.scored")
             result["filter_requests"] = reqs
@@ -269,7 +299,9 @@ def main():
     ap.add_argument("--json")
     ap.add_argument("--cases", default="2048:base64,2048:decimal,32768:base64",
                     help="comma-separated TOKENS:ENCODING")
-    ap.add_argument("--variants", default="plain,notokens,cold,warm")
+    ap.add_argument("--distinct", type=int, default=0,
+                    help="send this many different prompts in turn (the Python client for every variant)")
+    ap.add_argument("--variants", default="plain,notokens,cold_literal,cold,warm_literal,warm")
     args = ap.parse_args()
     if ENVOY_CPU is not None:
         os.sched_setaffinity(0, {1})  # inherited by wrk and the upstream Envoy
@@ -287,7 +319,8 @@ def main():
             # each ratio is against the plain run of its own round.
             for rnd in range(args.rounds):
                 for variant in variants:
-                    r = run_variant(variant, upstream, prompt, encoding, args.duration, args.connections)
+                    r = run_variant(variant, upstream, prompt, encoding, args.duration, args.connections,
+                                    args.distinct)
                     base = runs["plain"][-1] if variant != "plain" else r
                     r["ratio"] = r["rps"] / base["rps"]
                     r["cpu_ratio"] = r["envoy_cpu_us_per_request"] / base["envoy_cpu_us_per_request"]

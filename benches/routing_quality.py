@@ -6,8 +6,13 @@ Policies:
   round_robin, least_request, random   Envoy's own load balancers (no kvroute filter)
   prefix_hash                          Envoy ring_hash on x-prefix-hash, a hash of the prompt's
                                        first --prefix-hash-blocks blocks (prefix affinity)
-  kvroute_w0, kvroute_w1, kvroute_wT   kvroute at overlap_weight 0, 1 and --tuned-weight
-  kvroute_wT_nopredict                 kvroute at the tuned weight, predict-on-route off
+  kvroute_w0, kvroute_w1, kvroute_wT   kvroute (its defaults: potential load, outstanding
+                                       prefill) at overlap_weight 0, 1 and --tuned-weight
+  kvroute_w1_literal, kvroute_wT_literal
+                                       the specification's formula read literally: active_blocks
+                                       as they are, no prefill term (kvroute before both)
+  kvroute_w1_nopredict                 kvroute at weight 1, predict-on-route off
+  kvroute_w1_p<x>                      with --prefill-sweep: weight 1, prefill_load_weight x
 
 Workloads (each run on a freshly reset fleet): shared prefix (uniform) at light, ~70% and
 ~100% of the fleet's prefill capacity; shared prefix with Zipf popularity, multi-turn chat,
@@ -43,8 +48,8 @@ sys.path.insert(0, str(ROOT))
 from harness import (FLEET, TOKENIZER_DIR, Envoy, Processes, Tokenizer, free_port, render_config,  # noqa: E402
                      reset_fleet, start_fleet, wait_for, wait_synced)
 
-TRACE = ROOT.parent / "shared" / "data" / "mooncake" / "conversation_trace.jsonl"
-TRACE_SOURCE = ("the Mooncake FAST'25 conversation trace: kvcache-ai/Mooncake, "
+TRACE = ROOT / "benches" / "data" / "mooncake" / "conversation_trace_2000.jsonl"
+TRACE_SOURCE = ("the first 2000 requests of the Mooncake FAST'25 conversation trace: kvcache-ai/Mooncake, "
                 "FAST25-release/traces/conversation_trace.jsonl")
 # The mock engines' timing model (defaults, fleet/src/engine.rs): ms to start a prefill,
 # ms per uncached token; ms per decode step, and the batch size at which that doubles.
@@ -68,7 +73,10 @@ def cached_capacity(workers, uncached_tokens, output_tokens):
     return workers * 1000.0 / per_request_ms
 
 
-def policies(tuned):
+LITERAL = {"active_blocks": "in_flight", "prefill_load_weight": 0.0}
+
+
+def policies(tuned, prefill_sweep=()):
     t = f"{tuned:g}"
     return [
         ("round_robin", "round_robin", None),
@@ -78,8 +86,10 @@ def policies(tuned):
         ("kvroute_w0", "kvroute", {"overlap_weight": 0.0}),
         ("kvroute_w1", "kvroute", {"overlap_weight": 1.0}),
         (f"kvroute_w{t}", "kvroute", {"overlap_weight": tuned}),
-        (f"kvroute_w{t}_nopredict", "kvroute", {"overlap_weight": tuned, "predict_on_route": False}),
-    ]
+        ("kvroute_w1_literal", "kvroute", {"overlap_weight": 1.0, **LITERAL}),
+        (f"kvroute_w{t}_literal", "kvroute", {"overlap_weight": tuned, **LITERAL}),
+        ("kvroute_w1_nopredict", "kvroute", {"overlap_weight": 1.0, "predict_on_route": False}),
+    ] + [(f"kvroute_w1_p{p:g}", "kvroute", {"overlap_weight": 1.0, "prefill_load_weight": p}) for p in prefill_sweep]
 
 
 def named(items, wanted, what):
@@ -129,7 +139,7 @@ def workloads(args):
     out.append(("chat_70", 0.7, ["--workload", "chat", "--conversations", str(args.groups * 2), "--turns", str(turns),
                                  "--system-prompt-len", str(first), "--question-len", "64", "--output-len", "16",
                                  "--rate", f"{chat_cap * 0.7 / turns:.3f}"], {}))
-    out.append(("mooncake_70", 0.7, None, {"blocks": 8192}))
+    out.append(("mooncake_70", 0.7, None, {"blocks": args.mooncake_blocks}))
     if args.quick:
         out = [w for w in out if w[0] in ("shared_prefix_70", "zipf_70")]
     out = named(out, args.workloads, "workloads")
@@ -181,9 +191,12 @@ def main():
     ap.add_argument("--prefix-hash-blocks", type=int, default=8)
     ap.add_argument("--trace", default=str(TRACE), help="the Mooncake conversation trace (JSONL)")
     ap.add_argument("--trace-requests", type=int, default=2000)
+    ap.add_argument("--mooncake-blocks", type=int, default=8192, help="KV blocks per worker for mooncake_70")
     ap.add_argument("--quick", action="store_true", help="two workloads only")
     ap.add_argument("--workloads", help="comma-separated workload names to run (results merge into results.json)")
     ap.add_argument("--policies", help="comma-separated policy labels to run (default: all)")
+    ap.add_argument("--prefill-sweep", default="",
+                    help="comma-separated prefill_load_weight values: adds kvroute_w1_p<x> policies")
     ap.add_argument("--via", choices=("stage", "header"), default="stage",
                     help="stage: token-id bodies through the tokenizer stage; header: the client writes the token header")
     ap.add_argument("--out", default=str(ROOT / "target" / "routing-quality"))
@@ -191,7 +204,8 @@ def main():
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    chosen = named(policies(args.tuned_weight), args.policies, "policies")
+    sweep = [float(x) for x in args.prefill_sweep.split(",") if x]
+    chosen = named(policies(args.tuned_weight, sweep), args.policies, "policies")
 
     procs = Processes()
     t_start = time.time()

@@ -254,7 +254,7 @@ class FeedServer:
                 url = urllib.parse.urlparse(self.path)
                 view = "/v1/admin/cache-view/"
                 if url.path.startswith(view):
-                    # The seed's verification endpoint, as the sidecar serves it.
+                    # The specification's verification endpoint, as the sidecar serves it.
                     wid = urllib.parse.unquote(url.path[len(view):])
                     held = server.state.held.get(wid)
                     if held is None:

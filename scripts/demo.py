@@ -54,8 +54,8 @@ def main():
     ap.add_argument("--blocks", type=int, default=400, help="KV-cache blocks per worker (16 tokens each)")
     ap.add_argument("--rate", type=float, default=6.0, help="requests per second, in model time")
     ap.add_argument("--speedup", type=float, default=4.0, help="run the fleet this much faster than real time")
-    ap.add_argument("--overlap-weight", type=float, default=4.0,
-                    help="the filter's overlap_weight (envoy/envoy.yaml has the seed's 1.0)")
+    ap.add_argument("--overlap-weight", type=float, default=1.0,
+                    help="the filter's overlap_weight (the specification's default, as envoy/envoy.yaml)")
     ap.add_argument("--send", choices=("chat", "text", "tokens"), default="chat",
                     help="how requests carry their prompt: chat messages, text, or token ids")
     ap.add_argument("--port", type=int, default=8000)
@@ -87,7 +87,7 @@ def main():
                   f"system prompts of {args.system_prompt_len} tokens ...", flush=True)
             results[policy] = run_load(args, policy, engines, out_dir)
             if policy == "kvroute":
-                # The seed's verification, through Envoy's port.
+                # The specification's verification, through Envoy's port.
                 busiest = max(engines, key=lambda e: sidecar.block_count(e.id))
                 url = f"http://127.0.0.1:{args.port}/v1/admin/cache-view/{busiest.id}"
                 with urllib.request.urlopen(url, timeout=5) as r:

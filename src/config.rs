@@ -43,6 +43,18 @@ pub enum Mode {
     Pd,
 }
 
+/// What `active_blocks(w)` in the cost function counts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ActiveBlocks {
+    /// The load `w` would carry with this request added: its distinct in-flight prompt
+    /// blocks plus the request's blocks not already in flight there.
+    Potential,
+    /// `w`'s distinct in-flight prompt blocks as they are. With `prefill_load_weight` 0
+    /// this is the specification's formula read literally.
+    InFlight,
+}
+
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields, default)]
 struct RawFilterConfig {
@@ -65,6 +77,8 @@ struct RawFilterConfig {
     lora_header: Option<String>,
     cache_salt_header: Option<String>,
     offload_hit_credit: f64,
+    active_blocks: ActiveBlocks,
+    prefill_load_weight: f64,
 }
 
 impl Default for RawFilterConfig {
@@ -89,6 +103,8 @@ impl Default for RawFilterConfig {
             lora_header: Some("x-kvroute-lora".into()),
             cache_salt_header: Some("x-kvroute-cache-salt".into()),
             offload_hit_credit: DEFAULT_OFFLOAD_HIT_CREDIT,
+            active_blocks: ActiveBlocks::Potential,
+            prefill_load_weight: DEFAULT_PREFILL_LOAD_WEIGHT,
         }
     }
 }
@@ -130,11 +146,18 @@ pub struct FilterConfig {
     /// What a cache hit held only in an offload tier (CPU memory, disk) is worth, against 1
     /// for a GPU hit. In 0..=1.
     pub offload_hit_credit: f64,
+    pub active_blocks: ActiveBlocks,
+    /// Weight of a worker's outstanding prefill (uncached prompt blocks of requests routed
+    /// there whose first response bytes have not come back) in the cost.
+    pub prefill_load_weight: f64,
 }
 
 /// Loading a block back from CPU memory is several times cheaper than recomputing it but
 /// not free (and disk tiers cost more): half a GPU hit.
 pub const DEFAULT_OFFLOAD_HIT_CREDIT: f64 = 0.5;
+
+/// Chosen by the routing-quality benchmark (docs/benchmarks.md).
+pub const DEFAULT_PREFILL_LOAD_WEIGHT: f64 = 1.0;
 
 fn header_name(key: &str, v: &str) -> Result<String, ConfigError> {
     let ok = !v.is_empty() && v.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_');
@@ -168,6 +191,7 @@ impl FilterConfig {
         if raw.inflight_lease_ms < 1_000 {
             return Err(bad("inflight_lease_ms", "must be at least 1000"));
         }
+        let prefill_load_weight = weight("prefill_load_weight", raw.prefill_load_weight)?;
         let overlap_weight = weight("overlap_weight", raw.overlap_weight)?;
         let prefill = match raw.prefill_overlap_weight {
             Some(v) => weight("prefill_overlap_weight", v)?,
@@ -224,6 +248,8 @@ impl FilterConfig {
                 c if (0.0..=1.0).contains(&c) => c,
                 c => return Err(bad("offload_hit_credit", format!("{c} is not in 0..=1"))),
             },
+            active_blocks: raw.active_blocks,
+            prefill_load_weight,
         })
     }
 
@@ -337,7 +363,10 @@ mod tests {
         assert_eq!(c.overlap_weight, 1.0);
         assert_eq!(c.prefill_overlap_weight, 1.0);
         assert_eq!(c.mode, Mode::Aggregated);
+        assert_eq!((c.active_blocks, c.prefill_load_weight), (ActiveBlocks::Potential, DEFAULT_PREFILL_LOAD_WEIGHT));
         assert_eq!(FilterConfig::from_json(b"{}").unwrap(), c);
+        let literal = FilterConfig::from_json(br#"{"active_blocks": "in_flight", "prefill_load_weight": 0}"#).unwrap();
+        assert_eq!((literal.active_blocks, literal.prefill_load_weight), (ActiveBlocks::InFlight, 0.0));
         assert_eq!(c.lora_header.as_deref(), Some("x-kvroute-lora"));
         let off = FilterConfig::from_json(br#"{"lora_header": null, "cache_salt_header": null}"#).unwrap();
         assert_eq!((off.lora_header, off.cache_salt_header), (None, None));
@@ -370,6 +399,9 @@ mod tests {
             (r#"{"lora_header": "Lora"}"#, "lora_header"),
             (r#"{"offload_hit_credit": 1.5}"#, "offload_hit_credit"),
             (r#"{"offload_hit_credit": -0.1}"#, "offload_hit_credit"),
+            (r#"{"prefill_load_weight": -2}"#, "prefill_load_weight"),
+            (r#"{"prefill_load_weight": null}"#, "invalid type"),
+            (r#"{"active_blocks": "current"}"#, "unknown variant"),
             (r#"[1]"#, "invalid"),
             (r#"{"#, "invalid"),
         ];

@@ -253,36 +253,135 @@ impl WorkerTable {
 // ---------------------------------------------------------------------------------------
 // Load vector
 
-/// Distinct in-flight prompt blocks per slot (`active_blocks(w)` of the cost function):
-/// `n_slots × u32` little-endian; missing tail slots are 0.
+/// One slot's load: its distinct in-flight prompt blocks (`active_blocks`) and its
+/// outstanding prefill, the uncached prompt blocks of requests whose prefill has not
+/// finished.
+///
+/// Outstanding prefill is a sum with nothing to expire it entry by entry, so it is kept in
+/// two epochs of [`PREFILL_EPOCH_MS`]: a charge goes into the current epoch and its release
+/// comes out of the epoch it went into. A charge whose release never comes (a VM that died)
+/// stops counting once its epoch is two behind: after one to two epochs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SlotLoad {
+    pub active: u32,
+    /// The epoch `prefill_now` belongs to; `prefill_before` is the one before it.
+    pub prefill_epoch: u32,
+    pub prefill_now: u32,
+    pub prefill_before: u32,
+}
+
+/// Length of an outstanding-prefill epoch: a prefill still running after a minute may stop
+/// being counted; one never released is forgotten within two.
+pub const PREFILL_EPOCH_MS: u64 = 60_000;
+
+/// The outstanding-prefill epoch of `now_ms`.
+pub fn prefill_epoch(now_ms: u64) -> u32 {
+    (now_ms / PREFILL_EPOCH_MS) as u32
+}
+
+impl SlotLoad {
+    /// Outstanding prefill blocks as of `epoch`.
+    pub fn pending_prefill(&self, epoch: u32) -> u32 {
+        match epoch.wrapping_sub(self.prefill_epoch) {
+            0 => self.prefill_now.saturating_add(self.prefill_before),
+            1 => self.prefill_now,
+            _ => 0,
+        }
+    }
+
+    /// Moves the epochs forward to `epoch` (never back: a writer with a slower clock
+    /// charges the current epoch).
+    fn advance(&mut self, epoch: u32) {
+        let ahead = epoch.wrapping_sub(self.prefill_epoch);
+        if ahead == 0 || ahead > u32::MAX / 2 {
+            return;
+        }
+        self.prefill_before = if ahead == 1 { self.prefill_now } else { 0 };
+        self.prefill_now = 0;
+        self.prefill_epoch = epoch;
+    }
+}
+
+/// A change of outstanding prefill: `blocks` charged (> 0) or released (< 0) on `slot` in
+/// epoch `epoch`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PrefillChange {
+    pub slot: usize,
+    pub epoch: u32,
+    pub blocks: i64,
+}
+
+/// Per slot (indexed by slot) [`SlotLoad`]: `n_slots × (u32 active, u32 prefill_epoch,
+/// u32 prefill_now, u32 prefill_before)` little-endian; missing tail slots are all 0.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct LoadVector(pub Vec<u32>);
+pub struct LoadVector(pub Vec<SlotLoad>);
+
+const SLOT_LOAD_BYTES: usize = 16;
 
 impl LoadVector {
     pub fn decode(bytes: &[u8]) -> LoadVector {
         LoadVector(
-            bytes.chunks_exact(4).take(MAX_SLOTS).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
+            bytes
+                .chunks_exact(SLOT_LOAD_BYTES)
+                .take(MAX_SLOTS)
+                .map(|c| {
+                    let u = |i: usize| u32::from_le_bytes([c[i], c[i + 1], c[i + 2], c[i + 3]]);
+                    SlotLoad { active: u(0), prefill_epoch: u(4), prefill_now: u(8), prefill_before: u(12) }
+                })
+                .collect(),
         )
     }
     pub fn encode(&self) -> Vec<u8> {
-        self.0.iter().flat_map(|v| v.to_le_bytes()).collect()
+        let mut out = Vec::with_capacity(self.0.len() * SLOT_LOAD_BYTES);
+        for s in &self.0 {
+            for v in [s.active, s.prefill_epoch, s.prefill_now, s.prefill_before] {
+                out.extend_from_slice(&v.to_le_bytes());
+            }
+        }
+        out
     }
+    /// `active_blocks` of `slot`.
     pub fn get(&self, slot: usize) -> u32 {
-        self.0.get(slot).copied().unwrap_or(0)
+        self.0.get(slot).map_or(0, |s| s.active)
     }
-    /// Applies signed per-slot changes, saturating at 0.
+    /// Outstanding prefill blocks of `slot` as of `epoch`.
+    pub fn pending_prefill(&self, slot: usize, epoch: u32) -> u32 {
+        self.0.get(slot).map_or(0, |s| s.pending_prefill(epoch))
+    }
+    fn slot_mut(&mut self, slot: usize) -> Option<&mut SlotLoad> {
+        if slot >= MAX_SLOTS {
+            return None;
+        }
+        if self.0.len() <= slot {
+            self.0.resize(slot + 1, SlotLoad::default());
+        }
+        self.0.get_mut(slot)
+    }
+    /// Applies signed per-slot changes of `active_blocks`, saturating at 0.
     pub fn apply(&mut self, deltas: &[(usize, i64)]) {
         for &(slot, d) in deltas {
-            if slot >= MAX_SLOTS {
-                continue;
+            if let Some(s) = self.slot_mut(slot) {
+                s.active = saturate(i64::from(s.active) + d);
             }
-            if self.0.len() <= slot {
-                self.0.resize(slot + 1, 0);
-            }
-            let v = i64::from(self.0[slot]) + d;
-            self.0[slot] = v.clamp(0, i64::from(u32::MAX)) as u32;
         }
     }
+    /// Applies changes of outstanding prefill at epoch `epoch` (the writer's now). A change
+    /// for an epoch that is no longer kept is dropped: that charge has expired already.
+    pub fn apply_prefill(&mut self, changes: &[PrefillChange], epoch: u32) {
+        for c in changes {
+            let Some(s) = self.slot_mut(c.slot) else { continue };
+            s.advance(epoch);
+            match s.prefill_epoch.wrapping_sub(c.epoch) {
+                0 => s.prefill_now = saturate(i64::from(s.prefill_now) + c.blocks),
+                1 => s.prefill_before = saturate(i64::from(s.prefill_before) + c.blocks),
+                _ => {}
+            }
+        }
+    }
+}
+
+fn saturate(v: i64) -> u32 {
+    v.clamp(0, i64::from(u32::MAX)) as u32
 }
 
 // ---------------------------------------------------------------------------------------
@@ -459,6 +558,31 @@ impl<'a> Bucket<'a> {
         let mut out = SlotSet::EMPTY;
         self.add_fly_holders(hash, now_ms, among, &mut out);
         out
+    }
+
+    /// The slots of `among` with `hash` in flight or predicted at `now_ms`, and of those the
+    /// ones where it is in flight (a stream holds it there: `refs > 0`).
+    pub fn fly_holders_and_in_flight(&self, hash: u64, now_ms: u64, among: &SlotSet) -> (SlotSet, SlotSet) {
+        let (mut live, mut flying) = (SlotSet::EMPTY, SlotSet::EMPTY);
+        if self.n_fly == 0 {
+            return (live, flying);
+        }
+        let mut i = self.fly_lower_bound(hash);
+        while i < self.n_fly {
+            let e = self.fly_entry(i);
+            if e.hash != hash {
+                break;
+            }
+            let slot = usize::from(e.slot);
+            if e.live(now_ms) && among.contains(slot) {
+                live.insert(slot);
+                if e.refs > 0 {
+                    flying.insert(slot);
+                }
+            }
+            i += 1;
+        }
+        (live, flying)
     }
 
     #[inline]
@@ -694,10 +818,37 @@ mod tests {
     fn load_vector_saturates() {
         let mut l = LoadVector::decode(&[]);
         l.apply(&[(2, 5), (0, -3)]);
-        assert_eq!(l.0, vec![0, 0, 5]);
+        assert_eq!(l.0.iter().map(|s| s.active).collect::<Vec<_>>(), vec![0, 0, 5]);
         l.apply(&[(2, -7)]);
         assert_eq!(l.get(2), 0);
         assert_eq!(LoadVector::decode(&l.encode()), l);
         assert_eq!(l.get(99), 0);
+        l.apply(&[(MAX_SLOTS, 1)]);
+        assert_eq!(l.0.len(), 3, "a slot past the table's limit is ignored");
+    }
+
+    #[test]
+    fn outstanding_prefill_lives_two_epochs_at_most() {
+        let ch = |slot, epoch, blocks| PrefillChange { slot, epoch, blocks };
+        let mut l = LoadVector::default();
+        l.apply_prefill(&[ch(1, 10, 50), ch(1, 10, 30)], 10);
+        assert_eq!((l.pending_prefill(1, 10), l.get(1)), (80, 0));
+        // The next epoch still counts it, and releases go to the epoch they were charged in.
+        l.apply_prefill(&[ch(1, 11, 7)], 11);
+        assert_eq!(l.pending_prefill(1, 11), 87);
+        l.apply_prefill(&[ch(1, 10, -30)], 11);
+        assert_eq!(l.pending_prefill(1, 11), 57);
+        assert_eq!(LoadVector::decode(&l.encode()), l);
+        // A reader one epoch ahead of the last writer sees only the newer epoch; two ahead,
+        // nothing: the 50 never released are gone within two epochs.
+        assert_eq!(l.pending_prefill(1, 12), 7);
+        assert_eq!(l.pending_prefill(1, 13), 0);
+        // A release for an epoch no longer kept changes nothing.
+        l.apply_prefill(&[ch(1, 10, -50)], 12);
+        assert_eq!(l.pending_prefill(1, 12), 7);
+        // Saturates at 0, and a writer whose clock is behind does not move epochs back.
+        l.apply_prefill(&[ch(1, 11, -99)], 11);
+        assert_eq!((l.0[1].prefill_epoch, l.pending_prefill(1, 12)), (12, 0));
+        assert_eq!(l.pending_prefill(7, 12), 0);
     }
 }

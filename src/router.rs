@@ -5,15 +5,15 @@
 //! decoding, hashing, the bucket scan, scoring, in-flight accounting — happens here, with
 //! time and the tie-break seed passed in.
 
-use crate::config::{FilterConfig, Mode};
+use crate::config::{ActiveBlocks, FilterConfig, Mode};
 use crate::hash::block_hashes_le;
 use crate::inflight::{self, ActiveDelta, Change};
 use crate::layout::{
-    begin_bucket, bucket_key, bucket_of, finish_bucket, segments, Bucket, LoadVector, Role, SlotState, WorkerTable,
-    LOAD_KEY, TABLE_KEY,
+    begin_bucket, bucket_key, bucket_of, finish_bucket, prefill_epoch, segments, Bucket, LoadVector, PrefillChange,
+    Role, SlotState, WorkerTable, LOAD_KEY, TABLE_KEY,
 };
-use crate::scan::scan_segment;
-use crate::score::{rank, worker_key, Candidate, Scored};
+use crate::scan::{scan_segment, Scan};
+use crate::score::{rank, worker_key, Candidate, Scored, Weights};
 use crate::slots::{SlotSet, MAX_SLOTS};
 use crate::tokens::{decode_tokens, TokenEncoding, TokenError};
 use std::fmt::Write as _;
@@ -90,20 +90,20 @@ pub struct Held {
     /// Per segment whose in-flight entries were written (all of them unless an update gave
     /// up): its bucket and its block hashes, sorted as the bucket rewrite wants them.
     segments: Vec<(u32, Vec<u64>)>,
+    /// The outstanding prefill charged for this request, until its prefill ends (the first
+    /// response bytes) or the stream does.
+    prefill: Option<PrefillChange>,
 }
 
 impl Held {
     pub fn is_empty(&self) -> bool {
-        self.segments.is_empty()
+        self.segments.is_empty() && self.prefill.is_none()
     }
-}
 
-/// Per slot (indexed by slot), what the scan found.
-struct Hits {
-    /// `cache_hits`: leading consecutive blocks held.
-    leading: Vec<u32>,
-    /// Of those, blocks held only in an offload tier.
-    offloaded: Vec<u32>,
+    /// Outstanding prefill is still charged for this request.
+    pub fn prefilling(&self) -> bool {
+        self.prefill.is_some()
+    }
 }
 
 /// The outcome of [`Router::route`].
@@ -182,6 +182,18 @@ struct DecodedTable {
     keys: Vec<u64>,
 }
 
+/// What ranking needs to know of the request being routed.
+struct Request<'a> {
+    /// [`worker_key`] of each slot.
+    keys: &'a [u64],
+    scan: &'a Scan,
+    load: &'a LoadVector,
+    blocks: u32,
+    /// Tie-break key: the first block's hash, or entropy for a request without blocks.
+    key: u64,
+    epoch: u32,
+}
+
 struct ScannedBucket {
     value: Option<Vec<u8>>,
     cas: Option<u32>,
@@ -243,34 +255,32 @@ impl Router {
             d.fallback = Some(Fallback::NoWorkerUp);
             return d;
         }
+        let candidates = decode_set.union(&prefill_set);
         // With a stale index nothing is a hit (load only); in-flight entries are still
-        // written below, so active_blocks stays exact.
-        let mut candidates = SlotSet::EMPTY;
-        if table.index_live {
-            candidates = decode_set;
-            for s in prefill_set.iter() {
-                candidates.insert(s);
-            }
-        }
-        let (hits, scanned) = self.scan(store, &hashes, candidates, table, now_ms, &mut d);
-        let hits = &hits;
+        // read and written, so active_blocks stays exact.
+        let holding = if table.index_live { candidates } else { SlotSet::EMPTY };
+        // Which of the request's blocks each worker already has in flight: its potential
+        // load, and the prefill a sibling request is already doing there.
+        let carrying = if self.reads_in_flight() { candidates } else { SlotSet::EMPTY };
+        let scan = Scan::new(table.slots.len(), holding, carrying);
+        let (scan, scanned) = self.scan(store, &hashes, table.n_buckets, scan, now_ms, &mut d);
+        let epoch = prefill_epoch(now_ms);
+        let request = Request {
+            keys: &decoded.keys,
+            scan: &scan,
+            load: &load.0,
+            blocks: d.request_blocks,
+            key: hashes.first().copied().unwrap_or(entropy),
+            epoch,
+        };
 
         // Choose: in PD mode the prefill worker first, then the destination list.
-        let request_key = hashes.first().copied().unwrap_or(entropy);
         let mut chosen: Vec<u16> = Vec::with_capacity(2);
         if self.cfg.mode == Mode::Pd {
             if prefill_set.is_empty() {
                 d.fallback.get_or_insert(Fallback::NoPrefillWorker);
             } else {
-                self.rank_set(
-                    &decoded.keys,
-                    &prefill_set,
-                    hits,
-                    &load.0,
-                    self.cfg.prefill_overlap_weight,
-                    d.request_blocks,
-                    request_key,
-                );
+                self.rank_set(&request, &prefill_set, self.cfg.prefill_overlap_weight, true);
                 if let Some(best) = self.scored.first() {
                     d.prefiller = Some(table.slots[best.candidate.slot].id.clone());
                     chosen.push(best.candidate.slot as u16);
@@ -281,7 +291,8 @@ impl Router {
             Mode::Aggregated => self.cfg.overlap_weight,
             Mode::Pd => self.cfg.decode_overlap_weight,
         };
-        self.rank_set(&decoded.keys, &decode_set, hits, &load.0, weight, d.request_blocks, request_key);
+        // A decode worker fed by a prefill worker computes none of the prompt.
+        self.rank_set(&request, &decode_set, weight, d.prefiller.is_none());
         for s in self.scored.iter().take(self.cfg.max_endpoints) {
             d.destinations.push(table.slots[s.candidate.slot].id.clone());
         }
@@ -296,10 +307,24 @@ impl Router {
         }
 
         if !hashes.is_empty() {
+            // Charged to the worker that computes the prefill: the prefill worker in PD
+            // mode, else the destination.
+            let prefill = chosen.first().and_then(|&slot| {
+                let slot = usize::from(slot);
+                let blocks = own_prefill(&scan, slot, d.request_blocks);
+                let charge = PrefillChange { slot, epoch, blocks: i64::from(blocks) };
+                (self.cfg.prefill_load_weight > 0.0 && blocks > 0).then_some(charge)
+            });
             chosen.sort_unstable();
-            d.held = self.acquire(store, &mut d, &hashes, table.n_buckets, chosen, scanned, load, now_ms);
+            d.held = self.acquire(store, &mut d, &hashes, table.n_buckets, chosen, prefill, scanned, load, now_ms);
         }
         d
+    }
+
+    /// Whether routing reads which of a request's blocks are in flight on each worker:
+    /// for potential load, and to credit a sibling's prefill.
+    fn reads_in_flight(&self) -> bool {
+        self.cfg.active_blocks == ActiveBlocks::Potential || self.cfg.prefill_load_weight > 0.0
     }
 
     /// The request's block hashes, or none with the reason in `d.fallback`.
@@ -328,29 +353,25 @@ impl Router {
         hashes
     }
 
-    /// Reads the request's segment buckets in order and returns, per slot, the number of
-    /// leading blocks it holds (`cache_hits`), for the slots in `alive`. Stops at the first
-    /// segment where no slot is left. Returns the values read, for the in-flight update.
+    /// Reads the request's segment buckets in order into `scan` (see [`Scan`]), stopping at
+    /// the first segment where no slot is left in the running. Returns the values read, for
+    /// the in-flight update.
     fn scan(
         &self,
         store: &dyn SharedStore,
         hashes: &[u64],
-        mut alive: SlotSet,
-        table: &WorkerTable,
+        n_buckets: u32,
+        mut scan: Scan,
         now_ms: u64,
         d: &mut Decision,
-    ) -> (Hits, Vec<ScannedBucket>) {
-        // Indexed by slot; every slot in `alive` is a slot of the table.
-        let mut hits = vec![0u32; table.slots.len()];
-        let mut offloaded = vec![0u32; table.slots.len()];
+    ) -> (Scan, Vec<ScannedBucket>) {
         let mut scanned = Vec::new();
         for seg in segments(hashes.len()) {
-            if alive.is_empty() {
+            if scan.is_done() {
                 break;
             }
             d.shared_reads += 1;
-            let (value, cas) =
-                store.get(&bucket_key(bucket_of(hashes[seg.start], table.n_buckets))).unwrap_or((None, None));
+            let (value, cas) = store.get(&bucket_key(bucket_of(hashes[seg.start], n_buckets))).unwrap_or((None, None));
             let bucket = match value.as_deref().map(Bucket::parse).unwrap_or(Ok(Bucket::EMPTY)) {
                 Ok(b) => b,
                 Err(_) => {
@@ -359,42 +380,44 @@ impl Router {
                 }
             };
             let start = seg.start;
-            let with_fly = self.cfg.predict_on_route;
-            scan_segment(&bucket, &hashes[seg], start, now_ms, with_fly, &mut alive, &mut hits, &mut offloaded);
+            scan_segment(&bucket, &hashes[seg], start, now_ms, self.cfg.predict_on_route, &mut scan);
             scanned.push(ScannedBucket { value, cas });
         }
-        for slot in alive.iter() {
-            if let Some(h) = hits.get_mut(slot) {
-                *h = hashes.len() as u32;
-            }
-        }
-        (Hits { leading: hits, offloaded }, scanned)
+        scan.finish(hashes.len());
+        (scan, scanned)
     }
 
-    /// Scores the slots of `set` into `self.scored`, best first.
-    #[allow(clippy::too_many_arguments)]
-    fn rank_set(
-        &mut self,
-        keys: &[u64],
-        set: &SlotSet,
-        hits: &Hits,
-        load: &LoadVector,
-        weight: f64,
-        request_blocks: u32,
-        request_key: u64,
-    ) {
+    /// Scores the slots of `set` into `self.scored`, best first. `prefills`: the chosen
+    /// worker will compute the request's prefill.
+    fn rank_set(&mut self, r: &Request<'_>, set: &SlotSet, weight: f64, prefills: bool) {
+        let potential = self.cfg.active_blocks == ActiveBlocks::Potential;
+        let (scan, request_blocks) = (r.scan, r.blocks);
         self.candidates.clear();
         for slot in set.iter() {
+            let of = |v: &[u32]| v.get(slot).copied().unwrap_or(0);
+            // Potential: what the worker would carry with this request added — the blocks
+            // already in flight there count once.
+            let added = if potential { request_blocks.saturating_sub(of(&scan.in_flight)) } else { 0 };
+            // The worker's prefill queue with this request added: its outstanding prefill,
+            // less what siblings compute there on this request's blocks (work this request
+            // needs done anyway), plus the request's own.
+            let own = if prefills { own_prefill(scan, slot, request_blocks) } else { 0 };
+            let queued = r.load.pending_prefill(slot, r.epoch).saturating_sub(scan.computing(slot));
             self.candidates.push(Candidate {
                 slot,
-                cache_hits: hits.leading.get(slot).copied().unwrap_or(0),
-                offloaded_hits: hits.offloaded.get(slot).copied().unwrap_or(0),
-                active_blocks: load.get(slot),
-                worker_key: keys.get(slot).copied().unwrap_or(0),
+                cache_hits: of(&scan.hits),
+                offloaded_hits: of(&scan.offloaded),
+                active_blocks: r.load.get(slot).saturating_add(added),
+                pending_prefill: queued.saturating_add(own),
+                worker_key: r.keys.get(slot).copied().unwrap_or(0),
             });
         }
-        let credit = self.cfg.offload_hit_credit;
-        rank(&self.candidates, weight, credit, request_blocks, request_key, &mut self.scored);
+        let weights = Weights {
+            overlap: weight,
+            prefill_load: self.cfg.prefill_load_weight,
+            offload_hit_credit: self.cfg.offload_hit_credit,
+        };
+        rank(&self.candidates, weights, request_blocks, r.key, &mut self.scored);
     }
 
     /// Records the request's blocks as in flight on `slots`. `scanned` and `load` are the
@@ -407,12 +430,13 @@ impl Router {
         hashes: &[u64],
         n_buckets: u32,
         slots: Vec<u16>,
+        prefill: Option<PrefillChange>,
         scanned: Vec<ScannedBucket>,
         load: (LoadVector, Option<u32>),
         now_ms: u64,
     ) -> Held {
         let change = Change::Acquire { lease_ms: self.cfg.inflight_lease_ms };
-        let mut held = Held { slots, segments: Vec::new() };
+        let mut held = Held { slots, segments: Vec::new(), prefill: None };
         let mut delta = ActiveDelta::default();
         let mut scanned = scanned.into_iter();
         for seg in segments(hashes.len()) {
@@ -434,10 +458,23 @@ impl Router {
                 }
             }
         }
-        if !update_load(store, &delta, Some(load), &mut d.shared_reads) {
+        if update_load(store, &delta, prefill.as_slice(), prefill_epoch(now_ms), Some(load), &mut d.shared_reads) {
+            held.prefill = prefill;
+        } else {
             d.update_failures += 1;
         }
         held
+    }
+
+    /// The request's prefill has ended (its first response bytes came back): its
+    /// outstanding prefill is released. Returns the shared-data reads made and the number
+    /// of updates that failed (0 or 1).
+    pub fn end_prefill(&self, store: &dyn SharedStore, held: &mut Held, now_ms: u64) -> (u32, u32) {
+        let Some(charge) = held.prefill.take() else { return (0, 0) };
+        let release = [PrefillChange { blocks: -charge.blocks, ..charge }];
+        let mut reads = 0;
+        let ok = update_load(store, &ActiveDelta::default(), &release, prefill_epoch(now_ms), None, &mut reads);
+        (reads, u32::from(!ok))
     }
 
     /// Releases what a finished stream held: in-flight blocks become predictions (or go,
@@ -452,6 +489,9 @@ impl Router {
     pub fn release_all(&self, store: &dyn SharedStore, helds: &[Held], now_ms: u64) -> u32 {
         let linger_ms = if self.cfg.predict_on_route { self.cfg.prediction_ttl_ms } else { 0 };
         let mut by_bucket: Vec<(u32, Vec<inflight::Key>)> = Vec::new();
+        // Streams that ended before their first response bytes (aborted, reset, or no body).
+        let prefills: Vec<PrefillChange> =
+            helds.iter().filter_map(|h| h.prefill).map(|c| PrefillChange { blocks: -c.blocks, ..c }).collect();
         for held in helds {
             for (b, hashes) in &held.segments {
                 let i = match by_bucket.iter().position(|(x, _)| x == b) {
@@ -474,14 +514,20 @@ impl Router {
                 Err(_) => failures += 1,
             }
         }
-        if !update_load(store, &delta, None, &mut reads) {
+        if !update_load(store, &delta, &prefills, prefill_epoch(now_ms), None, &mut reads) {
             failures += 1;
         }
         failures
     }
 }
 
-/// The worker table, or none with the reason in `d.fallback`.
+/// The request's own prefill work on `slot`: its blocks the worker neither holds nor has in
+/// flight for another request (which computes them).
+fn own_prefill(scan: &Scan, slot: usize, request_blocks: u32) -> u32 {
+    let of = |v: &[u32]| v.get(slot).copied().unwrap_or(0);
+    request_blocks.saturating_sub(of(&scan.hits).max(of(&scan.in_flight)))
+}
+
 /// Slots that are up and whose role passes `role_ok`.
 fn up_slots(table: &WorkerTable, role_ok: fn(Role) -> bool) -> SlotSet {
     let mut s = SlotSet::EMPTY;
@@ -551,15 +597,18 @@ fn update_bucket(
     Err(false)
 }
 
-/// Applies per-slot active-block changes to the load vector with compare-and-swap; the
-/// first attempt may use a value already read.
+/// Applies per-slot changes of active blocks and of outstanding prefill (at the writer's
+/// `epoch`) to the load vector with compare-and-swap; the first attempt may use a value
+/// already read.
 fn update_load(
     store: &dyn SharedStore,
     delta: &ActiveDelta,
+    prefill: &[PrefillChange],
+    epoch: u32,
     mut first_read: Option<(LoadVector, Option<u32>)>,
     reads: &mut u32,
 ) -> bool {
-    if delta.is_zero() {
+    if delta.is_zero() && prefill.iter().all(|c| c.blocks == 0) {
         return true;
     }
     for _ in 0..CAS_ATTEMPTS {
@@ -572,6 +621,7 @@ fn update_load(
             }
         };
         load.apply(&delta.0);
+        load.apply_prefill(prefill, epoch);
         match store.set(LOAD_KEY, &load.encode(), Some(cas.unwrap_or(0))) {
             Ok(()) => return true,
             Err(StoreError::CasMismatch) => continue,

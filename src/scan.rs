@@ -1,5 +1,6 @@
 //! `cache_hits` over one segment bucket: for each candidate worker, how many leading
-//! blocks of the request it holds, and how many of those only in an offload tier.
+//! blocks of the request it holds, how many of those only in an offload tier, and how many
+//! leading blocks it already has in flight (the request's blocks it carries as load).
 //!
 //! The request's blocks are looked up in hash order, not position order: both parts of a
 //! bucket are sorted by hash, so each lookup gallops forward from the previous one over
@@ -16,26 +17,90 @@ use crate::slots::{SlotSet, MAX_SLOTS};
 /// saves.
 const SORTED_SCAN_MIN_BLOCKS: usize = 64;
 
+/// What the scan of a request's segments has found so far, per slot (indexed by slot).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Scan {
+    /// Slots that held every block so far: in the index, and (with `with_fly`) in flight
+    /// or predicted.
+    pub holding: SlotSet,
+    /// Slots with every block so far in flight (a stream holds it there: `refs > 0`).
+    pub carrying: SlotSet,
+    /// Slots with every block so far in the index (tracked with `carrying`).
+    pub indexed: SlotSet,
+    /// `cache_hits`: set when a slot stops holding (its first miss).
+    pub hits: Vec<u32>,
+    /// Of the leading blocks held, those held only in an offload tier.
+    pub offloaded: Vec<u32>,
+    /// Leading blocks in flight: set when a slot stops carrying.
+    pub in_flight: Vec<u32>,
+    /// Leading blocks in the index, for the slots in `carrying` at the start.
+    pub in_index: Vec<u32>,
+}
+
+impl Scan {
+    /// A scan over a table of `n_slots`, looking for hits on `holding`, and in-flight and
+    /// indexed blocks on `carrying`.
+    pub fn new(n_slots: usize, holding: SlotSet, carrying: SlotSet) -> Scan {
+        let n = n_slots.min(MAX_SLOTS);
+        let zeros = vec![0; n];
+        Scan {
+            holding,
+            carrying,
+            indexed: carrying,
+            hits: zeros.clone(),
+            offloaded: zeros.clone(),
+            in_flight: zeros.clone(),
+            in_index: zeros,
+        }
+    }
+
+    /// No slot is left in the running: later segments cannot change anything.
+    pub fn is_done(&self) -> bool {
+        self.holding.is_empty() && self.carrying.is_empty() && self.indexed.is_empty()
+    }
+
+    /// Of the request's blocks `slot` has in flight, those not yet in its index: blocks
+    /// another request is still computing there.
+    pub fn computing(&self, slot: usize) -> u32 {
+        let of = |v: &[u32]| v.get(slot).copied().unwrap_or(0);
+        of(&self.in_flight).saturating_sub(of(&self.in_index))
+    }
+
+    /// Ends a scan of a `len`-block request: slots still in the running hold (carry) all.
+    pub fn finish(&mut self, len: usize) {
+        for slot in self.holding.iter() {
+            if let Some(h) = self.hits.get_mut(slot) {
+                *h = len as u32;
+            }
+        }
+        for slot in self.carrying.iter() {
+            if let Some(h) = self.in_flight.get_mut(slot) {
+                *h = len as u32;
+            }
+        }
+        for slot in self.indexed.iter() {
+            if let Some(h) = self.in_index.get_mut(slot) {
+                *h = len as u32;
+            }
+        }
+    }
+}
+
+fn set_at(v: &mut [u32], slot: usize, pos: usize) {
+    if let Some(x) = v.get_mut(slot) {
+        *x = pos as u32;
+    }
+}
+
 /// Scans one segment: `hashes` are its blocks, the first at position `start` of the
-/// request. `alive` holds the slots that held every block before `start`; on return, those
-/// that also hold every block of this segment. `hits[slot]` is set for every slot that
-/// drops out (to the position of its first miss). `offloaded[slot]` is increased by the
-/// blocks of this segment within the slot's leading run that it holds only offloaded.
-/// `with_fly`: count in-flight and predicted entries as held (in GPU memory).
-#[allow(clippy::too_many_arguments)]
-pub fn scan_segment(
-    bucket: &Bucket<'_>,
-    hashes: &[u64],
-    start: usize,
-    now_ms: u64,
-    with_fly: bool,
-    alive: &mut SlotSet,
-    hits: &mut [u32],
-    offloaded: &mut [u32],
-) {
-    let candidates: Vec<usize> = alive.iter().collect();
+/// request, updating `scan` (whose running sets hold the slots that held, or carried,
+/// every block before `start`). `with_fly`: count in-flight and predicted entries as held
+/// (in GPU memory).
+pub fn scan_segment(bucket: &Bucket<'_>, hashes: &[u64], start: usize, now_ms: u64, with_fly: bool, scan: &mut Scan) {
+    let mut candidates: Vec<usize> = scan.holding.iter().collect();
+    candidates.extend(scan.carrying.union(&scan.indexed).difference(&scan.holding).iter());
     if candidates.len() > 64 || hashes.len() < SORTED_SCAN_MIN_BLOCKS {
-        return scan_by_position(bucket, hashes, start, now_ms, with_fly, alive, hits, offloaded);
+        return scan_by_position(bucket, hashes, start, now_ms, with_fly, scan);
     }
     // slot → bit among the candidates.
     let mut bit_of = [u8::MAX; MAX_SLOTS];
@@ -48,6 +113,7 @@ pub fn scan_segment(
             _ => 0,
         }
     };
+    let bits_of = |set: &SlotSet| set.iter().fold(0u64, |m, s| m | compact(s));
 
     let mut order: Vec<u32> = (0..hashes.len() as u32).collect();
     order.sort_unstable_by_key(|&i| hashes[i as usize]);
@@ -64,6 +130,8 @@ pub fn scan_segment(
     };
 
     let mut held = vec![0u64; hashes.len()];
+    let mut in_index = vec![0u64; hashes.len()];
+    let mut flying = vec![0u64; hashes.len()];
     // Offloaded-only holders per block, in tiered buckets only.
     let mut off_held = if bucket.is_tiered() { vec![0u64; hashes.len()] } else { Vec::new() };
     let index = bucket.index_part();
@@ -71,70 +139,90 @@ pub fn scan_segment(
     let (n_idx, idx) = (index.n, index.raw);
     let (n_fly, fly) = bucket.fly_raw();
     let (mut i_idx, mut i_fly) = (0usize, 0usize);
+    let look_at_fly = with_fly || !scan.carrying.is_empty();
     for &i in &order {
         let hash = hashes[i as usize];
         let mut bits = 0u64;
+        let mut idx_bits = 0u64;
         let mut off_bits = 0u64;
+        let mut fly_bits = 0u64;
         i_idx = gallop(i_idx, n_idx, |k| le_u64(&idx[k * stride..]) < hash);
         if i_idx < n_idx && le_u64(&idx[i_idx * stride..]) == hash {
             let (mask, off) = bucket.masks_at(i_idx);
-            bits = compact_mask(mask);
+            idx_bits = compact_mask(mask);
             if let Some(off) = off {
                 off_bits = compact_mask(off);
             }
         }
-        if with_fly {
+        if look_at_fly {
             i_fly = gallop(i_fly, n_fly, |k| le_u64(&fly[k * FLY_ENTRY..]) < hash);
-            let mut k = i_fly;
-            while k < n_fly {
-                let e = &fly[k * FLY_ENTRY..(k + 1) * FLY_ENTRY];
-                if le_u64(e) != hash {
-                    break;
-                }
-                if le_u64(&e[12..]) > now_ms {
-                    let bit = compact(usize::from(u16::from_le_bytes([e[8], e[9]])));
+        }
+        let mut k = if look_at_fly { i_fly } else { n_fly };
+        while k < n_fly {
+            let e = &fly[k * FLY_ENTRY..(k + 1) * FLY_ENTRY];
+            if le_u64(e) != hash {
+                break;
+            }
+            if le_u64(&e[12..]) > now_ms {
+                let bit = compact(usize::from(u16::from_le_bytes([e[8], e[9]])));
+                if with_fly {
                     bits |= bit;
                     off_bits &= !bit; // routed there: being loaded into its GPU
                 }
-                k += 1;
+                if u16::from_le_bytes([e[10], e[11]]) > 0 {
+                    fly_bits |= bit;
+                }
             }
+            k += 1;
         }
-        held[i as usize] = bits;
+        in_index[i as usize] = idx_bits;
+        held[i as usize] = bits | idx_bits;
+        flying[i as usize] = fly_bits;
         if let Some(o) = off_held.get_mut(i as usize) {
             *o = off_bits;
         }
     }
 
-    let mut running = if candidates.len() == 64 { u64::MAX } else { (1u64 << candidates.len()) - 1 };
-    for (offset, &bits) in held.iter().enumerate() {
-        let still = running & bits;
-        let mut dropped = running & !still;
+    // Keeps the bits of `running` set in `bits`; a slot whose bit drops out gets `pos`.
+    let narrow = |running: &mut u64, bits: u64, out: &mut [u32], pos: usize| {
+        let mut dropped = *running & !bits;
         while dropped != 0 {
-            let b = dropped.trailing_zeros() as usize;
-            if let Some(h) = hits.get_mut(candidates[b]) {
-                *h = (start + offset) as u32;
-            }
+            set_at(out, candidates[dropped.trailing_zeros() as usize], pos);
             dropped &= dropped - 1;
         }
-        let mut off = still & off_held.get(offset).copied().unwrap_or(0);
+        *running &= bits;
+    };
+    let mut running = bits_of(&scan.holding);
+    let mut carrying = bits_of(&scan.carrying);
+    let mut indexed = bits_of(&scan.indexed);
+    for offset in 0..hashes.len() {
+        let pos = start + offset;
+        narrow(&mut running, held[offset], &mut scan.hits, pos);
+        let mut off = running & off_held.get(offset).copied().unwrap_or(0);
         while off != 0 {
-            let b = off.trailing_zeros() as usize;
-            if let Some(o) = offloaded.get_mut(candidates[b]) {
+            if let Some(o) = scan.offloaded.get_mut(candidates[off.trailing_zeros() as usize]) {
                 *o += 1;
             }
             off &= off - 1;
         }
-        running = still;
-        if running == 0 {
+        narrow(&mut carrying, flying[offset], &mut scan.in_flight, pos);
+        narrow(&mut indexed, in_index[offset], &mut scan.in_index, pos);
+        if running == 0 && carrying == 0 && indexed == 0 {
             break;
         }
     }
-    *alive = SlotSet::EMPTY;
-    for (b, &slot) in candidates.iter().enumerate() {
-        if running & (1 << b) != 0 {
-            alive.insert(slot);
+    let set_of = |bits: u64| {
+        let mut set = SlotSet::EMPTY;
+        for (b, &slot) in candidates.iter().enumerate() {
+            if bits & (1 << b) != 0 {
+                set.insert(slot);
+            }
         }
-    }
+        set
+    };
+    scan.holding = set_of(running);
+    scan.carrying = set_of(carrying);
+    scan.indexed = set_of(indexed);
 }
 
 /// First index in `from..n` where `before(index)` is false, for a `before` that is true on
@@ -158,36 +246,33 @@ fn gallop(from: usize, n: usize, before: impl Fn(usize) -> bool) -> usize {
     lo
 }
 
-/// The plain path: one lookup per block, in position order.
-#[allow(clippy::too_many_arguments)]
-fn scan_by_position(
-    bucket: &Bucket<'_>,
-    hashes: &[u64],
-    start: usize,
-    now_ms: u64,
-    with_fly: bool,
-    alive: &mut SlotSet,
-    hits: &mut [u32],
-    offloaded: &mut [u32],
-) {
+/// The plain path: one lookup per block, in position order: one search of the index and
+/// one of the in-flight entries, whatever is tracked.
+fn scan_by_position(bucket: &Bucket<'_>, hashes: &[u64], start: usize, now_ms: u64, with_fly: bool, scan: &mut Scan) {
     for (offset, &hash) in hashes.iter().enumerate() {
-        let still = bucket.holders(hash, now_ms, with_fly, alive);
-        if bucket.is_tiered() {
-            for slot in bucket.offloaded_only(hash, now_ms, with_fly, &still).iter() {
-                if let Some(o) = offloaded.get_mut(slot) {
+        let pos = start + offset;
+        let among = scan.holding.union(&scan.carrying).union(&scan.indexed);
+        let in_index = bucket.holders(hash, now_ms, false, &among);
+        let (live, flying) = bucket.fly_holders_and_in_flight(hash, now_ms, &among);
+        let held = if with_fly { in_index.union(&live) } else { in_index };
+        let narrow = |running: &mut SlotSet, still: SlotSet, out: &mut [u32]| {
+            let still = running.intersection(&still);
+            for slot in running.difference(&still).iter() {
+                set_at(out, slot, pos);
+            }
+            *running = still;
+        };
+        narrow(&mut scan.holding, held, &mut scan.hits);
+        if bucket.is_tiered() && !scan.holding.is_empty() {
+            for slot in bucket.offloaded_only(hash, now_ms, with_fly, &scan.holding).iter() {
+                if let Some(o) = scan.offloaded.get_mut(slot) {
                     *o += 1;
                 }
             }
         }
-        if still != *alive {
-            for slot in alive.difference(&still).iter() {
-                if let Some(h) = hits.get_mut(slot) {
-                    *h = (start + offset) as u32;
-                }
-            }
-            *alive = still;
-        }
-        if alive.is_empty() {
+        narrow(&mut scan.carrying, flying, &mut scan.in_flight);
+        narrow(&mut scan.indexed, in_index, &mut scan.in_index);
+        if scan.is_done() {
             return;
         }
     }
@@ -208,7 +293,7 @@ mod tests {
         idx: impl Fn(usize) -> Vec<usize>,
         fly: impl Fn(usize) -> Vec<u16>,
     ) -> Vec<u8> {
-        tiered_bucket_bytes(n, mw, idx, |_| vec![], fly)
+        general_bucket_bytes(n, mw, idx, |_| vec![], fly, |_| vec![])
     }
 
     /// As [`bucket_bytes`], with `off(p)`: the index holders of block `p` that hold it only
@@ -219,6 +304,19 @@ mod tests {
         idx: impl Fn(usize) -> Vec<usize>,
         off: impl Fn(usize) -> Vec<usize>,
         fly: impl Fn(usize) -> Vec<u16>,
+    ) -> Vec<u8> {
+        general_bucket_bytes(n, mw, idx, off, fly, |_| vec![])
+    }
+
+    /// As [`tiered_bucket_bytes`], with `predicted(p)`: slots where block `p` is a
+    /// prediction (released, `refs` 0) rather than in flight.
+    fn general_bucket_bytes(
+        n: usize,
+        mw: usize,
+        idx: impl Fn(usize) -> Vec<usize>,
+        off: impl Fn(usize) -> Vec<usize>,
+        fly: impl Fn(usize) -> Vec<u16>,
+        predicted: impl Fn(usize) -> Vec<u16>,
     ) -> Vec<u8> {
         // Hashes out of position order, as real chain hashes are.
         let hash = |p: usize| (p as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
@@ -242,8 +340,12 @@ mod tests {
                 h.to_le_bytes().into_iter().chain(words.flat_map(|w| w.to_le_bytes()))
             })
             .collect();
+        let entry = |p: usize, slot: u16, refs: u16| FlyEntry { hash: hash(p), slot, refs, until_ms: 100 };
         let mut f: Vec<FlyEntry> = (0..n)
-            .flat_map(|p| fly(p).into_iter().map(move |s| FlyEntry { hash: hash(p), slot: s, refs: 1, until_ms: 100 }))
+            .flat_map(|p| {
+                let live = fly(p).into_iter().map(move |s| entry(p, s, 1));
+                live.chain(predicted(p).into_iter().map(move |s| entry(p, s, 0)))
+            })
             .collect();
         f.sort_by_key(|e| (e.hash, e.slot));
         encode_bucket(IndexPart { mask_words: mw, tiered, n: rows.len(), raw: &raw }, f.len(), &fly_raw_of(&f), 0)
@@ -253,8 +355,27 @@ mod tests {
         (0..n).map(|p| (p as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)).collect()
     }
 
-    /// Scans `n` blocks starting at position `start` at time 50: the slots still alive,
-    /// `hits` and `offloaded` per slot.
+    fn set(slots: &[usize]) -> SlotSet {
+        let mut set = SlotSet::EMPTY;
+        for &s in slots {
+            set.insert(s);
+        }
+        set
+    }
+
+    /// Scans `n` blocks starting at position `start` at time 50, looking for hits on
+    /// `holding` and in-flight blocks on `carrying`; `u32::MAX` marks a count not set.
+    fn scan_of(bytes: &[u8], n: usize, start: usize, holding: &[usize], carrying: &[usize], with_fly: bool) -> Scan {
+        let b = Bucket::parse(bytes).unwrap();
+        let mut scan = Scan::new(MAX_SLOTS, set(holding), set(carrying));
+        scan.hits.fill(u32::MAX);
+        scan.in_flight.fill(u32::MAX);
+        scan.in_index.fill(u32::MAX);
+        scan_segment(&b, &hashes(n), start, 50, with_fly, &mut scan);
+        scan
+    }
+
+    /// Scans for hits only: the slots still alive, `hits` and `offloaded` per slot.
     fn scan(
         bytes: &[u8],
         n: usize,
@@ -262,15 +383,9 @@ mod tests {
         alive_slots: &[usize],
         with_fly: bool,
     ) -> (Vec<usize>, Vec<u32>, Vec<u32>) {
-        let b = Bucket::parse(bytes).unwrap();
-        let mut alive = SlotSet::EMPTY;
-        for &s in alive_slots {
-            alive.insert(s);
-        }
-        let mut hits = vec![u32::MAX; MAX_SLOTS];
-        let mut off = vec![0; MAX_SLOTS];
-        scan_segment(&b, &hashes(n), start, 50, with_fly, &mut alive, &mut hits, &mut off);
-        (alive.iter().collect(), hits, off)
+        let scan = scan_of(bytes, n, start, alive_slots, &[], with_fly);
+        assert!(scan.in_flight.iter().all(|&v| v == u32::MAX));
+        (scan.holding.iter().collect(), scan.hits, scan.offloaded)
     }
 
     fn run(bytes: &[u8], n: usize, alive_slots: &[usize], with_fly: bool) -> (Vec<usize>, Vec<u32>) {
@@ -357,6 +472,56 @@ mod tests {
                     assert_eq!(hits[s], hits_big[s], "slot {s}");
                 }
             }
+        }
+    }
+
+    #[test]
+    fn leading_blocks_in_flight_per_slot() {
+        // Slot 0 holds all 80 blocks in the index, in flight on none; slot 1 has 0..50 in
+        // flight; slot 2 has 0..20 in flight and 20..80 only predicted; slot 3 is in flight
+        // on everything. A prediction is a hit (with predict-on-route) but not load.
+        let bytes = general_bucket_bytes(
+            80,
+            1,
+            |_| vec![0],
+            |_| vec![],
+            |p| {
+                let mut v = vec![3];
+                if p < 50 {
+                    v.push(1);
+                }
+                if p < 20 {
+                    v.push(2);
+                }
+                v
+            },
+            |p| if p >= 20 { vec![2] } else { vec![] },
+        );
+        for n in [80, 40] {
+            // 80 blocks: the sorted path; 40: the per-position path.
+            let s = scan_of(&bytes, n, 32, &[0, 1, 2, 3], &[0, 1, 2, 3], true);
+            let full = 32 + n as u32;
+            assert_eq!(s.carrying.iter().collect::<Vec<_>>(), if n == 80 { vec![3] } else { vec![1, 3] }, "n {n}");
+            assert_eq!((s.in_flight[0], s.in_flight[2]), (32, 32 + 20), "n {n}");
+            if n == 80 {
+                assert_eq!(s.in_flight[1], 32 + 50);
+            }
+            let holding = if n == 80 { vec![0, 2, 3] } else { vec![0, 1, 2, 3] };
+            assert_eq!(s.holding.iter().collect::<Vec<_>>(), holding, "n {n}");
+            assert_eq!(s.hits[1], if n == 80 { 32 + 50 } else { u32::MAX });
+            // Only slot 0 has the blocks in its index: what the others have in flight is still
+            // being computed.
+            assert_eq!((s.in_index[1], s.in_index[3]), (32, 32));
+            let mut s = s;
+            s.finish(full as usize);
+            assert_eq!((s.in_flight[3], s.hits[0], s.hits[2], s.in_index[0]), (full, full, full, full));
+            assert_eq!((s.computing(0), s.computing(2), s.computing(3)), (0, 20, n as u32));
+            // Without predict-on-route in-flight blocks are not hits, and are still load;
+            // a slot scanned only for load is not given hits.
+            let s = scan_of(&bytes, n, 32, &[0], &[1, 2, 3], false);
+            assert_eq!(s.holding.iter().collect::<Vec<_>>(), vec![0]);
+            assert_eq!((s.hits[1], s.hits[3], s.in_flight[2]), (u32::MAX, u32::MAX, 32 + 20));
+            assert!(s.carrying.contains(3));
         }
     }
 }

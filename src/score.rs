@@ -2,13 +2,17 @@
 //!
 //! ```text
 //! cost(w) = overlap_weight × (request_blocks − cache_hits(w)) + active_blocks(w)
+//!         + prefill_load_weight × pending_prefill(w)
 //! ```
 //!
-//! `cache_hits(w)` is the number of *leading consecutive* request blocks `w` holds (an
-//! engine's prefix cache stops at the first miss); `active_blocks(w)` is the number of
-//! distinct in-flight prompt blocks on `w`. Lowest cost wins. A hit `w` holds only in an
-//! offload tier (CPU memory, disk) counts `offload_hit_credit` (< 1) of a GPU hit: loading
-//! it back is cheaper than recomputing it, not free.
+//! The first line is the specification's cost. `cache_hits(w)` is the number of *leading
+//! consecutive* request blocks `w` holds (an engine's prefix cache stops at the first
+//! miss); `active_blocks(w)` is the number of distinct in-flight prompt blocks on `w` — by
+//! default with this request's own blocks added (the router computes it, see
+//! [`crate::config::ActiveBlocks`]). `pending_prefill(w)` is the uncached prompt blocks of
+//! requests routed to `w` whose prefill has not finished. Lowest cost wins. A hit `w` holds
+//! only in an offload tier (CPU memory, disk) counts `offload_hit_credit` (< 1) of a GPU
+//! hit: loading it back is cheaper than recomputing it, not free.
 //!
 //! Ties, in order: more cache hits (a tie between locality and load goes to locality,
 //! which is cheaper in prefill), then the lowest rendezvous hash of (request key, worker)
@@ -25,6 +29,7 @@ pub struct Candidate {
     /// Of `cache_hits`, the blocks held only in an offload tier.
     pub offloaded_hits: u32,
     pub active_blocks: u32,
+    pub pending_prefill: u32,
     /// Stable hash of the worker's id, for tie-breaking (see [`worker_key`]).
     pub worker_key: u64,
 }
@@ -37,7 +42,15 @@ pub struct Scored {
     tiebreak: u64,
 }
 
-/// The seed's cost function.
+/// The weights of the cost's terms.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Weights {
+    pub overlap: f64,
+    pub prefill_load: f64,
+    pub offload_hit_credit: f64,
+}
+
+/// The specification's cost function.
 #[inline]
 pub fn cost(overlap_weight: f64, request_blocks: u32, cache_hits: u32, active_blocks: u32) -> f64 {
     cost_of_hits(overlap_weight, request_blocks, f64::from(cache_hits), active_blocks)
@@ -67,18 +80,13 @@ pub fn worker_key(id: &str) -> u64 {
 /// `request_key` identifies the request for tie-breaking: its first block's hash, so
 /// requests with the same start agree, or a caller-supplied random number for requests
 /// without blocks.
-pub fn rank(
-    candidates: &[Candidate],
-    overlap_weight: f64,
-    offload_hit_credit: f64,
-    request_blocks: u32,
-    request_key: u64,
-    out: &mut Vec<Scored>,
-) {
+pub fn rank(candidates: &[Candidate], weights: Weights, request_blocks: u32, request_key: u64, out: &mut Vec<Scored>) {
+    let offload_hit_credit = weights.offload_hit_credit;
     out.clear();
     out.extend(candidates.iter().map(|c| Scored {
         candidate: *c,
-        cost: cost_of_hits(overlap_weight, request_blocks, c.effective_hits(offload_hit_credit), c.active_blocks),
+        cost: cost_of_hits(weights.overlap, request_blocks, c.effective_hits(offload_hit_credit), c.active_blocks)
+            + weights.prefill_load * f64::from(c.pending_prefill),
         tiebreak: crate::hash::chain_hash(request_key, c.worker_key),
     }));
     out.sort_by(|a, b| {
@@ -106,26 +114,31 @@ mod tests {
             cache_hits: hits,
             offloaded_hits: 0,
             active_blocks: active,
+            pending_prefill: 0,
             worker_key: worker_key(&slot.to_string()),
         }
     }
 
-    /// The seed's worked example: a 10-block prompt, weight 1.0.
+    fn w(overlap: f64, offload_hit_credit: f64) -> Weights {
+        Weights { overlap, prefill_load: 0.0, offload_hit_credit }
+    }
+
+    /// The specification's worked example: a 10-block prompt, weight 1.0.
     #[test]
-    fn seed_worked_example() {
+    fn specification_worked_example() {
         let w0 = cand(0, 8, 6);
         let w1 = cand(1, 0, 1);
         assert_eq!(cost(1.0, 10, 8, 6), 8.0);
         assert_eq!(cost(1.0, 10, 0, 1), 11.0);
         let mut out = Vec::new();
-        rank(&[w1, w0], 1.0, 0.5, 10, 0, &mut out);
+        rank(&[w1, w0], w(1.0, 0.5), 10, 0, &mut out);
         assert_eq!(out[0].candidate.slot, 0);
         assert_eq!((out[0].cost, out[1].cost), (8.0, 11.0));
         // Raise the weight and W0 wins by more.
-        rank(&[w1, w0], 2.0, 0.5, 10, 0, &mut out);
+        rank(&[w1, w0], w(2.0, 0.5), 10, 0, &mut out);
         assert_eq!((out[0].cost, out[1].cost), (10.0, 21.0));
         // At 0 only active_blocks counts: W1 (1) beats W0 (6).
-        rank(&[w1, w0], 0.0, 0.5, 10, 0, &mut out);
+        rank(&[w1, w0], w(0.0, 0.5), 10, 0, &mut out);
         assert_eq!(out[0].candidate.slot, 1);
         assert_eq!((out[0].cost, out[1].cost), (1.0, 6.0));
     }
@@ -139,12 +152,12 @@ mod tests {
         w0.offloaded_hits = 6;
         let w1 = cand(1, 5, 0);
         let mut out = Vec::new();
-        rank(&[w1, w0], 1.0, 0.75, 10, 0, &mut out);
+        rank(&[w1, w0], w(1.0, 0.75), 10, 0, &mut out);
         assert_eq!((out[0].candidate.slot, out[0].cost, out[1].cost), (0, 3.5, 5.0));
-        rank(&[w1, w0], 1.0, 0.25, 10, 0, &mut out);
+        rank(&[w1, w0], w(1.0, 0.25), 10, 0, &mut out);
         assert_eq!((out[0].candidate.slot, out[0].cost, out[1].cost), (1, 5.0, 6.5));
-        // Credit 1 is the seed's plain count.
-        rank(&[w1, w0], 1.0, 1.0, 10, 0, &mut out);
+        // Credit 1 is the specification's plain count.
+        rank(&[w1, w0], w(1.0, 1.0), 10, 0, &mut out);
         assert_eq!(out[0].cost, cost(1.0, 10, 8, 0));
     }
 
@@ -152,20 +165,35 @@ mod tests {
     fn ties_prefer_hits_then_are_stable_and_spread() {
         // Equal cost: 1×(10−4)+2 = 8 = 1×(10−2)+0; the one with more hits wins.
         let mut out = Vec::new();
-        rank(&[cand(0, 2, 0), cand(1, 4, 2)], 1.0, 0.5, 10, 0, &mut out);
+        rank(&[cand(0, 2, 0), cand(1, 4, 2)], w(1.0, 0.5), 10, 0, &mut out);
         assert_eq!(out[0].candidate.slot, 1);
         // Fully equal: the winner depends only on the request key, and varies with it.
         let all: Vec<_> = (0..8).map(|s| cand(s, 0, 0)).collect();
         let mut winners = std::collections::BTreeSet::new();
         for key in 0..200u64 {
-            rank(&all, 1.0, 0.5, 10, key, &mut out);
+            rank(&all, w(1.0, 0.5), 10, key, &mut out);
             let first = out[0].candidate.slot;
             let mut rev = all.clone();
             rev.reverse();
-            rank(&rev, 1.0, 0.5, 10, key, &mut out);
+            rank(&rev, w(1.0, 0.5), 10, key, &mut out);
             assert_eq!(out[0].candidate.slot, first, "order of candidates must not matter");
             winners.insert(first);
         }
         assert_eq!(winners.len(), 8, "ties spread over every worker");
+    }
+
+    #[test]
+    fn outstanding_prefill_counts_at_its_weight() {
+        // Equal hits and active blocks; W0 has 40 blocks of prefill still queued.
+        let mut w0 = cand(0, 8, 2);
+        w0.pending_prefill = 40;
+        let w1 = cand(1, 8, 2);
+        let mut out = Vec::new();
+        let weights = Weights { overlap: 1.0, prefill_load: 0.5, offload_hit_credit: 0.5 };
+        rank(&[w0, w1], weights, 10, 0, &mut out);
+        assert_eq!((out[0].candidate.slot, out[0].cost, out[1].cost), (1, 4.0, 24.0));
+        // Weight 0: the prefill term is gone, and the cost is the specification's.
+        rank(&[w0, w1], Weights { prefill_load: 0.0, ..weights }, 10, 0, &mut out);
+        assert_eq!((out[0].cost, out[1].cost), (cost(1.0, 10, 8, 2), cost(1.0, 10, 8, 2)));
     }
 }

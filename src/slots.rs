@@ -79,6 +79,16 @@ impl SlotSet {
         out
     }
 
+    /// `self ∪ other`.
+    #[inline]
+    pub fn union(&self, other: &SlotSet) -> SlotSet {
+        let mut out = *self;
+        for (a, b) in out.words.iter_mut().zip(other.words.iter()) {
+            *a |= *b;
+        }
+        out
+    }
+
     /// `self \ other`.
     #[inline]
     pub fn difference(&self, other: &SlotSet) -> SlotSet {

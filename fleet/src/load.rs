@@ -79,7 +79,7 @@ pub struct LoadArgs {
     #[arg(long, default_value_t = 4)]
     pub turns: usize,
     /// Mooncake: the trace file, how many requests, and the scales (lengths ÷, times ÷).
-    #[arg(long, default_value = "../shared/data/mooncake/conversation_trace.jsonl")]
+    #[arg(long, default_value = "benches/data/mooncake/conversation_trace_2000.jsonl")]
     pub trace: String,
     #[arg(long, default_value_t = 200)]
     pub requests: usize,

@@ -447,7 +447,7 @@ impl Fleet {
             .collect()
     }
 
-    /// `{"worker_id":…,"block_count":N}` for the admin API, in the seed's key order.
+    /// `{"worker_id":…,"block_count":N}` for the admin API, in the specification's key order.
     pub fn cache_view(&self, id: &str) -> Option<String> {
         let w = self.workers.iter().find(|w| w.config.id == id)?;
         let id = serde_json::Value::from(w.config.id.as_str());

@@ -5,7 +5,7 @@ use crate::config::FilterConfig;
 use crate::feed::{FeedBlock, FeedWorker, Frame, Op};
 use crate::hash::block_hashes;
 use crate::index::SyncIndex;
-use crate::layout::Role;
+use crate::layout::{prefill_epoch, Role};
 use crate::memstore::MemStore;
 use crate::tokens::encode_base64;
 #[cfg(target_arch = "wasm32")]
@@ -55,6 +55,25 @@ fn load(store: &MemStore) -> LoadVector {
     LoadVector::decode(&store.get(LOAD_KEY).unwrap().0.unwrap_or_default())
 }
 
+/// `active_blocks` per slot.
+fn actives(store: &MemStore) -> Vec<u32> {
+    load(store).0.iter().map(|s| s.active).collect()
+}
+
+/// Outstanding prefill of slots `0..n` at `now_ms` (epochs of the default 60 s).
+fn pending(store: &MemStore, n: usize, now_ms: u64) -> Vec<u32> {
+    let l = load(store);
+    (0..n).map(|slot| l.pending_prefill(slot, prefill_epoch(now_ms))).collect()
+}
+
+/// A load vector with these `active_blocks` and no prefill.
+fn with_active(active: &[u32]) -> LoadVector {
+    LoadVector(active.iter().map(|&active| crate::layout::SlotLoad { active, ..Default::default() }).collect())
+}
+
+/// The specification's formula read literally.
+const LITERAL: &str = r#""active_blocks": "in_flight", "prefill_load_weight": 0"#;
+
 fn cfg(json: &str) -> FilterConfig {
     FilterConfig::from_json(json.as_bytes()).unwrap()
 }
@@ -66,13 +85,17 @@ fn routes_to_the_worker_holding_the_prefix() {
     let mut r = Router::new(cfg("{}"));
     let d = route(&mut r, &store, &p, 0);
     assert_eq!(d.destinations[0], "10.0.0.2:8000");
-    assert_eq!((d.hits, d.request_blocks, d.cost), (8, 10, 2.0));
+    // 2 missing blocks, the 10 it would carry with the request (none in flight yet), and
+    // the 2 it would have to prefill.
+    assert_eq!((d.hits, d.request_blocks, d.cost), (8, 10, 14.0));
     assert_eq!(d.destinations.len(), 3);
     assert_eq!(d.fallback, None);
     // Its blocks are now in flight on worker 2.
     assert_eq!(load(&store).get(2), 10);
+    // Its 2 uncached blocks are outstanding prefill there until its first response bytes.
+    assert_eq!(pending(&store, 3, 0), vec![0, 0, 2]);
     assert!(r.release(&store, &d.held, 10) == 0);
-    assert_eq!(load(&store).get(2), 0);
+    assert_eq!((load(&store).get(2), pending(&store, 3, 10)), (0, vec![0, 0, 0]));
 }
 
 #[test]
@@ -111,31 +134,33 @@ fn offloaded_hits_are_credited() {
             Op::Store { worker: 2, blocks: feed_blocks(&p[..112]) },
         ],
     );
-    // Credit 0.5: W1 = 5 effective hits (cost 5), W2 = 7 (cost 3): W2.
-    let mut r = Router::new(cfg(r#"{"predict_on_route": false}"#));
+    // Credit 0.5: W1 = 5 effective hits (cost 5), W2 = 7 (cost 3): W2. (Load terms off:
+    // they are the same for both but for the prefill, where a block loaded back is not
+    // prefill work.)
+    let mut r = Router::new(cfg(r#"{"predict_on_route": false, "prefill_load_weight": 0}"#));
     let d = route(&mut r, &store, &p, 0);
     assert_eq!((d.destinations[0].as_str(), d.hits, d.offloaded_hits), ("10.0.0.2:8000", 7, 0));
     r.release(&store, &d.held, 1);
     // Credit 0.9: W1 = 9 (cost 1): W1, and the debug header says how many were offloaded.
-    let mut r = Router::new(cfg(r#"{"predict_on_route": false, "offload_hit_credit": 0.9}"#));
+    let mut r = Router::new(cfg(r#"{"predict_on_route": false, "prefill_load_weight": 0, "offload_hit_credit": 0.9}"#));
     let d = route(&mut r, &store, &p, 0);
     assert_eq!((d.destinations[0].as_str(), d.hits, d.offloaded_hits), ("10.0.0.1:8000", 10, 10));
     assert!(d.debug_value().contains(";offloaded=10"));
 }
 
 #[test]
-fn seed_worked_example_through_the_store() {
+fn specification_worked_example_through_the_store() {
     // W0 caches 8 of the 10 blocks and has 6 active; W1 is cold with 1 active. W0: 8, W1: 11.
     let p = prompt(1, 160);
     let (store, _) = fleet(2, vec![Op::Store { worker: 0, blocks: feed_blocks(&p[..128]) }]);
-    let mut r = Router::new(cfg("{}"));
-    store.set(LOAD_KEY, &LoadVector(vec![6, 1]).encode(), None).unwrap();
+    let mut r = Router::new(cfg(&format!("{{{LITERAL}}}")));
+    store.set(LOAD_KEY, &with_active(&[6, 1]).encode(), None).unwrap();
     let d = route(&mut r, &store, &p, 0);
     assert_eq!((d.destinations[0].as_str(), d.cost), ("10.0.0.0:8000", 8.0));
     r.release(&store, &d.held, 1);
     // At weight 0 only load counts: W1 (1 active) wins.
-    let mut r0 = Router::new(cfg(r#"{"overlap_weight": 0}"#));
-    store.set(LOAD_KEY, &LoadVector(vec![6, 1]).encode(), None).unwrap();
+    let mut r0 = Router::new(cfg(&format!(r#"{{"overlap_weight": 0, {LITERAL}}}"#)));
+    store.set(LOAD_KEY, &with_active(&[6, 1]).encode(), None).unwrap();
     let d = route(&mut r0, &store, &p, 100_000);
     assert_eq!((d.destinations[0].as_str(), d.cost), ("10.0.0.1:8000", 1.0));
 }
@@ -175,9 +200,11 @@ fn burst_before_any_event_lands_on_one_worker() {
         held.push(d.held);
     }
     assert_eq!(chosen.len(), 1, "{chosen:?}");
-    // Without prediction the same burst spreads by load.
+    // Without prediction, and with active blocks read literally, the same burst spreads by
+    // load. (Potential load keeps much of it together even without prediction: the prefix
+    // it has in flight on the first worker is not new load there.)
     let (store, _) = fleet(8, vec![]);
-    let mut r = Router::new(cfg(r#"{"overlap_weight": 4, "predict_on_route": false}"#));
+    let mut r = Router::new(cfg(&format!(r#"{{"overlap_weight": 4, "predict_on_route": false, {LITERAL}}}"#)));
     let mut chosen = std::collections::BTreeSet::new();
     for i in 0..20 {
         let mut p = prompt(7, 30 * 16);
@@ -221,7 +248,7 @@ fn pd_mode_picks_prefill_and_decode_by_their_weights() {
     let ops = vec![Op::Store { worker: 1, blocks: feed_blocks(&p) }, Op::Store { worker: 3, blocks: feed_blocks(&p) }];
     let (store, _) = fleet_of(ws, ops);
     // Decode worker 3 (slot 3) holds the prefix but is busy; decode weight 0.1 → load wins.
-    store.set(LOAD_KEY, &LoadVector(vec![0, 5, 0, 10]).encode(), None).unwrap();
+    store.set(LOAD_KEY, &with_active(&[0, 5, 0, 10]).encode(), None).unwrap();
     let mut r = Router::new(cfg(r#"{"mode": "pd", "prefill_overlap_weight": 20, "decode_overlap_weight": 0.1}"#));
     let d = route(&mut r, &store, &p, 0);
     assert_eq!(d.prefiller.as_deref(), Some("10.0.1.2:8000"));
@@ -231,7 +258,7 @@ fn pd_mode_picks_prefill_and_decode_by_their_weights() {
     let l = load(&store);
     assert_eq!((l.get(1), l.get(2)), (5 + 20, 20));
     r.release(&store, &d.held, 1);
-    assert_eq!(load(&store).0, vec![0, 5, 0, 10]);
+    assert_eq!(actives(&store), vec![0, 5, 0, 10]);
 }
 
 #[test]
@@ -339,10 +366,15 @@ fn concurrent_updates_interleave_exactly() {
             a.release(&store, &d.held, u64::from(i));
         }
     }
-    for d in held {
+    for mut d in held {
+        // Some streams' prefill ended first (their first response bytes), from either thread.
+        if d.request_blocks % 2 == 0 {
+            a.end_prefill(&store, &mut d.held, 90);
+        }
         b.release(&store, &d.held, 100);
     }
-    assert!(load(&store).0.iter().all(|v| *v == 0), "{:?}", load(&store));
+    assert!(actives(&store).iter().all(|v| *v == 0), "{:?}", load(&store));
+    assert!(pending(&store, 2, 100).iter().all(|v| *v == 0), "{:?}", load(&store));
 }
 
 #[test]
@@ -372,10 +404,12 @@ fn batched_release_equals_one_by_one() {
         p.extend(prompt(100 + i, 16 * (i as usize + 1)));
         held.push(route(&mut r, &store, &p, 0).held);
     }
-    assert!(load(&store).0.iter().sum::<u32>() > 0);
+    assert!(actives(&store).iter().sum::<u32>() > 0);
+    assert!(pending(&store, 2, 0).iter().sum::<u32>() > 0);
     assert_eq!(r.release_all(&store, &held[..4], 5), 0);
     assert_eq!(r.release_all(&store, &held[4..], 5), 0);
-    assert!(load(&store).0.iter().all(|v| *v == 0), "{:?}", load(&store));
+    assert!(actives(&store).iter().all(|v| *v == 0), "{:?}", load(&store));
+    assert!(pending(&store, 2, 5).iter().all(|v| *v == 0), "{:?}", load(&store));
     // Everything released lingers as a prediction.
     let d = route(&mut r, &store, &prompt(1, 40 * 16), 10);
     assert_eq!(d.hits, 40);
@@ -396,4 +430,87 @@ fn pd_mode_without_prefill_workers_routes_decode_only() {
     // Aggregated mode never picks a prefill- or decode-only worker.
     let mut agg = Router::new(cfg("{}"));
     assert_eq!(agg.route(&store, TokenSource::Missing, 0, 0).fallback, Some(Fallback::NoWorkerUp));
+}
+
+#[test]
+fn a_worker_prefilling_the_same_prefix_beats_a_cold_idle_one_at_weight_1() {
+    // Two idle workers, nothing cached. A 40-block request goes to one of them; before its
+    // engine reports anything, a second request shares its first 30 blocks.
+    let a = prompt(1, 40 * 16);
+    let mut b = a[..30 * 16].to_vec();
+    b.extend(prompt(2, 10 * 16));
+    for (config, follows) in [("{}", true), (&format!("{{{LITERAL}}}") as &str, false)] {
+        let (store, _) = fleet(2, vec![]);
+        let mut r = Router::new(cfg(config));
+        let first = route(&mut r, &store, &a, 0);
+        let second = route(&mut r, &store, &b, 1);
+        // Potential load: the busy one costs 10 misses (30 predicted hits) + 50 blocks
+        // carried with the request + a prefill queue of the first request's 40 blocks,
+        // less the 30 it computes for this one, plus this one's own 10; the cold one 40
+        // misses + 40 carried + 40 to prefill.
+        assert_eq!(second.destinations[0] == first.destinations[0], follows, "{config}: {second:?}");
+        if follows {
+            assert_eq!(second.cost, 10.0 + 50.0 + (10.0 + 10.0));
+            // Charged only its own 10 uncached blocks: the sibling computes the other 30.
+            let busy = pending(&store, 2, 1).into_iter().max();
+            assert_eq!(busy, Some(40 + 10));
+        } else {
+            // Read literally, the busy worker carries the first request's 40 blocks and the
+            // cold one nothing: 10 + 40 against 40 + 0.
+            assert_eq!(second.cost, 40.0);
+        }
+    }
+}
+
+#[test]
+fn outstanding_prefill_ends_at_the_first_response_bytes_or_the_stream_end() {
+    let p = prompt(1, 40 * 16);
+    let (store, _) = fleet(2, vec![Op::Store { worker: 0, blocks: feed_blocks(&p[..30 * 16]) }]);
+    let mut r = Router::new(cfg("{}"));
+    let mut d = route(&mut r, &store, &p, 0);
+    assert_eq!(d.destinations[0], "10.0.0.0:8000");
+    assert!(d.held.prefilling());
+    assert_eq!(pending(&store, 2, 0), vec![10, 0], "the 10 uncached blocks");
+    // First response bytes: prefill over, the blocks stay in flight.
+    assert_eq!(r.end_prefill(&store, &mut d.held, 5), (1, 0), "one read, no failure");
+    assert!(!d.held.prefilling());
+    assert_eq!((pending(&store, 2, 5), load(&store).get(0)), (vec![0, 0], 40));
+    assert_eq!(r.end_prefill(&store, &mut d.held, 6), (0, 0), "only once");
+    assert_eq!(pending(&store, 2, 6), vec![0, 0]);
+    r.release(&store, &d.held, 7);
+    assert_eq!((pending(&store, 2, 7), actives(&store).iter().sum::<u32>()), (vec![0, 0], 0));
+    // A stream aborted before any response byte releases its prefill with its blocks.
+    let aborted = route(&mut r, &store, &prompt(2, 20 * 16), 8);
+    assert!(pending(&store, 2, 8).iter().sum::<u32>() == 20);
+    r.release(&store, &aborted.held, 9);
+    assert_eq!((pending(&store, 2, 9), actives(&store).iter().sum::<u32>()), (vec![0, 0], 0));
+    // A charge never released (its VM died) stops counting within two epochs.
+    let lost = route(&mut r, &store, &prompt(3, 20 * 16), 10);
+    assert!(lost.held.prefilling());
+    assert_eq!(pending(&store, 2, 60_000).iter().sum::<u32>(), 20);
+    assert_eq!(pending(&store, 2, 120_000).iter().sum::<u32>(), 0);
+}
+
+#[test]
+fn queued_prefill_counts_against_a_worker_until_its_first_bytes() {
+    // Two idle workers. Request X goes to one and has started answering; Y then goes to
+    // the other and is still prefilling. Both carry 40 blocks; the next requests, sharing
+    // nothing, go where no prefill is queued — with the term off, the two tie.
+    let mut places = std::collections::BTreeSet::new();
+    for (weight, spread) in [(1.0, false), (0.0, true)] {
+        let mut seen = std::collections::BTreeSet::new();
+        for z in 0..16u32 {
+            let (store, _) = fleet(2, vec![]);
+            let mut r = Router::new(cfg(&format!(r#"{{"prefill_load_weight": {weight}}}"#)));
+            let mut x = route(&mut r, &store, &prompt(1, 40 * 16), 0);
+            r.end_prefill(&store, &mut x.held, 1);
+            let y = route(&mut r, &store, &prompt(2, 40 * 16), 2);
+            assert_ne!(x.destinations[0], y.destinations[0], "Y goes to the idle worker");
+            let next = route(&mut r, &store, &prompt(100 + z, 40 * 16), 3);
+            seen.insert(next.destinations[0] == x.destinations[0]);
+            places.insert(next.destinations[0].clone());
+        }
+        assert_eq!(seen.len() == 2, spread, "prefill_load_weight {weight}: {seen:?}");
+    }
+    assert_eq!(places.len(), 2);
 }

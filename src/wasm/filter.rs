@@ -22,6 +22,7 @@ struct Metrics {
     layout_errors: BatchedCounter,
     update_failures: BatchedCounter,
     shared_reads: BatchedCounter,
+    prefill_releases: BatchedCounter,
     unflushed: Cell<u32>,
 }
 
@@ -46,6 +47,7 @@ impl Metrics {
             layout_errors: BatchedCounter::new("kvroute.layout_errors"),
             update_failures: BatchedCounter::new("kvroute.update_failures"),
             shared_reads: BatchedCounter::new("kvroute.shared_reads"),
+            prefill_releases: BatchedCounter::new("kvroute.prefill_releases"),
             unflushed: Cell::new(0),
         }
     }
@@ -87,6 +89,7 @@ impl Metrics {
             &self.layout_errors,
             &self.update_failures,
             &self.shared_reads,
+            &self.prefill_releases,
         ];
         for c in
             all.into_iter().chain(self.fallback.iter().map(|(_, c)| c)).chain(self.token_errors.iter().map(|(_, c)| c))
@@ -289,6 +292,24 @@ impl HttpContext for Stream {
         }
         if !d.held.is_empty() {
             self.held = Some(d.held);
+        }
+        Action::Continue
+    }
+
+    fn on_http_response_body(&mut self, body_size: usize, _end_of_stream: bool) -> Action {
+        // The first response bytes: engines send headers before prefill and the first
+        // token after it, so the request's prefill is over. The release is the only host
+        // work here (a non-streaming answer's first bytes are its end).
+        if body_size > 0 {
+            if let Some(held) = self.held.as_mut().filter(|h| h.prefilling()) {
+                if let Ok(router) = self.shared.router.try_borrow() {
+                    let (reads, failures) = router.end_prefill(&HostStore, held, host::now_ms());
+                    let m = &self.shared.metrics;
+                    m.prefill_releases.inc();
+                    m.shared_reads.add(u64::from(reads));
+                    m.update_failures.add(u64::from(failures));
+                }
+            }
         }
         Action::Continue
     }

@@ -10,7 +10,7 @@ use super::host::{self, HostStore, Metric};
 use crate::config::SyncConfig;
 use crate::feed::{poll_path, Frame, FrameKind};
 use crate::index::{publish, SyncIndex};
-use crate::layout::{bucket_key, LoadVector, WorkerTable, LOAD_KEY, TABLE_KEY};
+use crate::layout::{bucket_key, prefill_epoch, LoadVector, WorkerTable, LOAD_KEY, TABLE_KEY};
 use crate::router::SharedStore;
 use std::time::Duration;
 
@@ -55,8 +55,8 @@ pub struct SyncRoot {
     cfg: SyncConfig,
     index: SyncIndex,
     metrics: Metrics,
-    /// `kvroute.active_blocks.<worker>` gauges, by slot.
-    active_gauges: Vec<Metric>,
+    /// `kvroute.active_blocks.<worker>` and `kvroute.prefill_blocks.<worker>` gauges, by slot.
+    load_gauges: Vec<(Metric, Metric)>,
     in_flight: Option<u32>,
     next_poll_ms: u64,
     last_ok_ms: u64,
@@ -107,7 +107,7 @@ impl SyncRoot {
             cfg,
             index,
             metrics: Metrics::define(),
-            active_gauges: Vec::new(),
+            load_gauges: Vec::new(),
             in_flight: None,
             next_poll_ms: 0,
             last_ok_ms: now,
@@ -144,14 +144,18 @@ impl SyncRoot {
     fn publish_load(&mut self) {
         let Ok((Some(v), _)) = HostStore.get(LOAD_KEY) else { return };
         let load = LoadVector::decode(&v);
+        let epoch = prefill_epoch(host::now_ms());
         let table = self.index.table();
         for (slot, w) in table.slots.iter().enumerate() {
-            if slot == self.active_gauges.len() {
+            if slot == self.load_gauges.len() {
                 // Stat names split on '.', so the id's dots and colon become '_'.
                 let name: String = w.id.chars().map(|c| if c.is_ascii_alphanumeric() { c } else { '_' }).collect();
-                self.active_gauges.push(Metric::gauge(&format!("kvroute.active_blocks.{name}")));
+                let gauge = |what: &str| Metric::gauge(&format!("kvroute.{what}.{name}"));
+                self.load_gauges.push((gauge("active_blocks"), gauge("prefill_blocks")));
             }
-            self.active_gauges[slot].set(u64::from(load.get(slot)));
+            let (active, prefill) = &self.load_gauges[slot];
+            active.set(u64::from(load.get(slot)));
+            prefill.set(u64::from(load.pending_prefill(slot, epoch)));
         }
     }
 

@@ -77,7 +77,7 @@ def test_events_route_requests_and_cache_view_works_through_envoy(stack):
         worker, d = stack.route(prefix + tokens(50 + i, 100))
         assert worker == b.id and int(d["hits"]) == 48, d
 
-    # The seed's check, through Envoy's listener.
+    # The specification's check, through Envoy's listener.
     status, _, body = stack.envoy.request(f"/v1/admin/cache-view/{b.id}", method="GET", body=None)
     assert status == 200 and json.loads(body) == {"worker_id": b.id, "block_count": 48}
     # Stored again (the engine reused its cache): the count stays flat.

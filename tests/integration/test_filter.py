@@ -73,7 +73,9 @@ def test_removed_blocks_stop_attracting(setup):
 
 
 def test_at_weight_zero_only_load_counts(setup):
-    s = setup(n_workers=2, filter_config={"overlap_weight": 0})
+    # The specification's formula read literally: active_blocks as they are, no prefill term.
+    s = setup(n_workers=2, filter_config={"overlap_weight": 0, "active_blocks": "in_flight",
+                                          "prefill_load_weight": 0})
     prompt = tokens(3, 320)
     s.state.store(s.workers[0].id, prompt)
     s.wait_synced()
@@ -89,6 +91,59 @@ def test_at_weight_zero_only_load_counts(setup):
     d = debug(h)
     assert (d["worker"], float(d["cost"]), d["hits"]) == (s.workers[1].id, 0.0, "0")
     busy.join()
+
+
+def test_prefill_ends_at_the_first_response_bytes(setup):
+    s = setup(n_workers=2)
+    prompt = tokens(11, 320)  # 20 blocks, none cached: all 20 are prefill work
+    hdr = {"x-prompt-token-ids-b64": b64(prompt)}
+
+    def load():
+        return sum(_active(s).values()), sum(_prefill(s).values())
+
+    # Streamed: prefilling until the first body bytes, then decoding until the end.
+    t = threading.Thread(target=s.envoy.request, kwargs={"headers": {**hdr, "x-test-stream-ms": "1000,1500"}})
+    t.start()
+    wait_for(lambda: load() == (20, 20), what="20 blocks in flight, all prefilling")
+    wait_for(lambda: load() == (20, 0), what="prefill over at the first bytes, still in flight")
+    t.join()
+    wait_for(lambda: load() == (0, 0), what="release at the end")
+
+    # A second request sharing 16 blocks while the first prefills them: it follows the
+    # first, and is charged only for its own 4 blocks (the first computes the rest).
+    # (A new prefix: the first one's blocks linger as predictions, cached as far as routing
+    # knows.)
+    prompt = tokens(13, 320)
+    sibling = tokens(13, 256) + tokens(14, 64)
+    answers = {}
+
+    def send(name, toks, stream):
+        answers[name] = s.envoy.request(headers={"x-prompt-token-ids-b64": b64(toks), "x-test-stream-ms": stream})
+
+    first = threading.Thread(target=send, args=("first", prompt, "2500,0"))
+    first.start()
+    wait_for(lambda: load() == (20, 20), what="first request prefilling")
+    second = threading.Thread(target=send, args=("second", sibling, "800,0"))
+    second.start()
+    wait_for(lambda: load() == (24, 24), what="sibling charged 4 blocks")
+    second.join()
+    first.join()
+    assert debug(answers["second"][1])["worker"] == debug(answers["first"][1])["worker"]
+    wait_for(lambda: load() == (0, 0), what="both released")
+
+    # Aborted while prefilling: released with its blocks.
+    raw = socket.create_connection(("127.0.0.1", s.envoy.port))
+    req = (f"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n"
+           f"x-test-stream-ms: 3000,0\r\nx-prompt-token-ids-b64: {b64(tokens(15, 320))}\r\n\r\n")
+    raw.sendall(req.encode())
+    wait_for(lambda: load() == (20, 20), what="aborted request prefilling")
+    raw.close()
+    wait_for(lambda: load() == (0, 0), what="release after client abort")
+    assert s.envoy.stat("kvroute.update_failures") == 0
+
+
+def _prefill(s):
+    return {k.split("prefill_blocks.")[1]: v for k, v in s.envoy.stats("prefill_blocks").items()}
 
 
 def _stat_id(worker):
@@ -191,32 +246,35 @@ def test_burst_before_any_event_lands_on_one_worker(setup):
 
 def test_active_blocks_return_to_zero(setup):
     s = setup(n_workers=2)
-    prompt = tokens(8, 320)  # 20 blocks
-    hdr = {"x-prompt-token-ids-b64": b64(prompt)}
+    # 20 blocks each, a new prompt per case: released blocks linger as predictions, which
+    # count as cached (no prefill) for the next request with the same prompt.
+    hdr = {"x-prompt-token-ids-b64": b64(tokens(8, 320))}
 
     def total():
-        return sum(_active(s).values())
+        """(in-flight blocks, outstanding prefill): nothing here answers before its end, so
+        a request's 20 uncached blocks are prefilling until then."""
+        return sum(_active(s).values()), sum(_prefill(s).values())
 
     # Completed.
     t = threading.Thread(target=s.envoy.request, kwargs={"headers": {**hdr, "x-test-delay-ms": "700"}})
     t.start()
-    wait_for(lambda: total() == 20, what="20 blocks in flight")
+    wait_for(lambda: total() == (20, 20), what="20 blocks in flight")
     t.join()
-    wait_for(lambda: total() == 0, what="release after completion")
+    wait_for(lambda: total() == (0, 0), what="release after completion")
 
     # Client abort: send the request, then close the socket before the answer.
     raw = socket.create_connection(("127.0.0.1", s.envoy.port))
     req = (f"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n"
-           f"x-test-delay-ms: 2000\r\nx-prompt-token-ids-b64: {b64(prompt)}\r\n\r\n")
+           f"x-test-delay-ms: 2000\r\nx-prompt-token-ids-b64: {b64(tokens(16, 320))}\r\n\r\n")
     raw.sendall(req.encode())
-    wait_for(lambda: total() == 20, what="aborted request in flight")
+    wait_for(lambda: total() == (20, 20), what="aborted request in flight")
     raw.close()
-    wait_for(lambda: total() == 0, what="release after client abort")
+    wait_for(lambda: total() == (0, 0), what="release after client abort")
 
     # Upstream reset: every worker closes the connection; Envoy retries, then 503.
-    status, _, _ = s.envoy.request(headers={**hdr, "x-test-reset": "1"})
+    status, _, _ = s.envoy.request(headers={"x-prompt-token-ids-b64": b64(tokens(17, 320)), "x-test-reset": "1"})
     assert status == 503
-    wait_for(lambda: total() == 0, what="release after upstream reset")
+    wait_for(lambda: total() == (0, 0), what="release after upstream reset")
     wait_for(lambda: s.envoy.stat("kvroute.requests") == 3, what="stats flushed")
     assert s.envoy.stat("kvroute.update_failures") == 0
 
@@ -320,7 +378,7 @@ def test_router_hashes_match_the_published_vectors():
 
 
 def test_admin_route_reaches_the_sidecar_through_envoy(setup):
-    """The seed's `curl localhost:8000/v1/admin/cache-view/<worker>` works on Envoy's port."""
+    """The specification's `curl localhost:8000/v1/admin/cache-view/<worker>` works on Envoy's port."""
     import json
     s = setup(n_workers=2)
     s.state.store(s.workers[0].id, tokens(13, 160))

@@ -1,5 +1,5 @@
 """The simulated fleet's mock engine: vLLM's API and KV events as vLLM's own structs decode
-them, and the seed's "Verify it's working" end to end through Envoy and the sidecar."""
+them, and the specification's "Verify it's working" end to end through Envoy and the sidecar."""
 import base64
 import http.client
 import json
@@ -193,7 +193,7 @@ def test_the_seeds_verification_through_envoy():
         ttft2, w2, cached2 = ask()
         assert w2 == w1 and cached2 == 992
         assert ttft2 < ttft1 / 2, (ttft1, ttft2)
-        # The seed's check, through Envoy's port: the count stayed flat.
+        # The specification's check, through Envoy's port: the count stayed flat.
         status, _, body = envoy.request(f"/v1/admin/cache-view/{w1}", method="GET", body=None)
         assert status == 200 and json.loads(body) == {"worker_id": w1, "block_count": 62}
     finally:
@@ -232,7 +232,7 @@ def test_a_short_demo_run_completes_and_leaves_nothing_behind(tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "round robin" in r.stdout and "prefix cache hit rate" in r.stdout
-    assert '"block_count"' in r.stdout  # the seed's curl, through Envoy
+    assert '"block_count"' in r.stdout  # the specification's curl, through Envoy
     for f in ("kvroute.json", "round_robin.json", "ttft.svg"):
         assert (tmp_path / f).exists()
     k = json.loads((tmp_path / "kvroute.json").read_text())

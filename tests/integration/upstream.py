@@ -9,7 +9,9 @@ import time
 class Worker:
     """An upstream 'engine': answers JSON naming itself; records every request's headers.
     Request headers steer it: x-test-delay-ms (answer late), x-test-reset (close the
-    connection without answering)."""
+    connection without answering), x-test-stream-ms: FIRST,REST (headers at once, as an
+    engine streams: the first body bytes after FIRST ms, as after a prefill, the end REST
+    ms later)."""
 
     def __init__(self):
         self.requests = []
@@ -37,6 +39,24 @@ class Worker:
                 if self.headers.get("x-test-reset"):
                     self.close_connection = True
                     self.connection.shutdown(socket.SHUT_RDWR)
+                    return
+                if self.headers.get("x-test-stream-ms"):
+                    first, rest = (int(v) / 1000 for v in self.headers["x-test-stream-ms"].split(","))
+                    try:
+                        self.send_response(200)
+                        self.send_header("content-type", "text/event-stream")
+                        self.send_header("transfer-encoding", "chunked")
+                        self.end_headers()
+                        self.wfile.flush()
+                        time.sleep(first)
+                        for chunk in (b"data: {}\n\n", json.dumps({"worker": worker.id}).encode()):
+                            self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                            self.wfile.flush()
+                            time.sleep(rest)
+                            rest = 0
+                        self.wfile.write(b"0\r\n\r\n")
+                    except (BrokenPipeError, ConnectionResetError):
+                        pass
                     return
                 delay = int(self.headers.get("x-test-delay-ms") or 0)
                 if delay:

@@ -19,7 +19,7 @@ const NAMED_SPECIAL: [&str; 7] =
 pub struct ModelSpec {
     /// The `model` name requests use (vLLM's `--served-model-name`).
     pub name: String,
-    /// The tokenizer directory (vLLM's `--tokenizer`, the seed's `--router-tokenizer-path`).
+    /// The tokenizer directory (vLLM's `--tokenizer`, the specification's `--router-tokenizer-path`).
     pub path: PathBuf,
     /// vLLM's `--max-model-len`; default: `config.json`'s `max_position_embeddings` (if the
     /// directory has one), capped by `tokenizer_config.json`'s `model_max_length`.
