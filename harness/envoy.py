@@ -2,7 +2,6 @@
 import http.client
 import json
 import os
-import pathlib
 import re
 import shutil
 import urllib.request
@@ -121,11 +120,6 @@ class Envoy(Service):
 
     def _wait_ready(self, timeout=30):
         wait_http_ok(self.proc, f"http://127.0.0.1:{self.admin}/ready", "envoy", self.logs, timeout)
-
-    def cpu_seconds(self):
-        """User + system CPU time Envoy has used so far."""
-        fields = pathlib.Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def stats(self, pattern=""):
         with urllib.request.urlopen(

@@ -28,6 +28,18 @@ class Service:
     def logs(self):
         return pathlib.Path(self.log_path).read_text(errors="replace")
 
+    def cpu_seconds(self):
+        """User + system CPU time the process has used so far."""
+        fields = pathlib.Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def peak_rss_mb(self):
+        """The process's peak resident memory so far (VmHWM), in MB."""
+        for line in pathlib.Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+        return 0.0
+
     def stop(self, kill=False):
         stop_process(self.proc, self.log, self.dir, kill)
 

@@ -76,3 +76,26 @@ def test_the_prefix_hash_ring_is_the_same_every_run():
     first = layout()
     assert len(set(first)) > 1, "40 keys should spread over more than one worker"
     assert layout() == first
+
+
+def test_peers_run_against_the_same_fleet(tmp_path):
+    """benches/peers.py: kvroute and a peer router (vllm-router, installed into its own
+    virtualenv under target/peers/) in front of one fleet. vllm-router's kv_aware policy
+    decodes the mock engines' KV events with vLLM's own wire format: its hits show that it
+    accepted them. A line that cannot run is reported, not dropped."""
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "benches" / "peers.py"), "--workloads", "shared_prefix_70",
+         "--lines", "kvroute_w1,vllm_router_kv_aware,dynamo_kv", "--workers", "2", "--groups", "2",
+         "--per-group", "4", "--speedup", "8", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    out = json.loads((tmp_path / "results.json").read_text())
+    runs = {x["policy"]: x for x in out["runs"]}
+    assert set(runs) == {"kvroute_w1", "vllm_router_kv_aware"}
+    assert [s["line"] for s in out["not_run"]] == ["dynamo_kv"]
+    for x in runs.values():
+        assert x["requests"] == 8 and x["failed"] == 0, x
+        assert x["router_cpu_ms_per_request"] >= 0 and x["router_peak_rss_mb"] > 0, x
+    assert runs["kvroute_w1"]["scored"] == 8
+    # Each group's second request onward can hit; the KV-event index is what finds them.
+    assert runs["vllm_router_kv_aware"]["hit_rate"] > 0.3, runs["vllm_router_kv_aware"]
