@@ -166,19 +166,22 @@ def main():
                        "--model", MODEL, *wargs]
                 for e in engines:
                     cmd += ["--engine", e.id]
-                cpu0 = sum(p.cpu_seconds() for p in metered)
+                cpu0 = [p.cpu_seconds() for p in metered]
                 t0 = time.time()
                 subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
                 r = json.loads(path.read_text())
                 r.pop("samples")
-                cpu = sum(p.cpu_seconds() for p in metered) - cpu0
+                # Per process (kvroute: Envoy, the stage, the sidecar), ms per request.
+                per_request = {type(p).__name__.lower(): (p.cpu_seconds() - c0) * 1000 / max(r["requests"], 1)
+                               for p, c0 in zip(metered, cpu0)}
                 scored = 0
                 if kind == "kvroute":
                     wait_for(lambda: router.stat("kvroute.requests") >= r["requests"], what="the filters' counters")
                     scored = router.stat("kvroute.scored")
                 r.update({"workload": wname, "load": level, "policy": label, "router": kind,
                           "wall_s": round(time.time() - t0, 1), "speedup": speedup,
-                          "router_cpu_ms_per_request": round(cpu * 1000 / max(r["requests"], 1), 3),
+                          "router_cpu_ms_per_request": round(sum(per_request.values()), 3),
+                          "router_cpu_ms_per_request_by_process": {k: round(v, 3) for k, v in per_request.items()},
                           "router_peak_rss_mb": round(sum(p.peak_rss_mb() for p in metered), 1),
                           "scored": scored})
                 for p in metered:
