@@ -204,11 +204,15 @@ def closed_loop(port, requests, duration, connections):
             "non_2xx": errors[0]}
 
 
+def request_with(header_name, header_value):
+    """The benchmark's request (as wrk sends it) with one header, as bytes."""
+    return (f"POST /v1/completions HTTP/1.1\r\nhost: bench\r\ncontent-length: 2\r\n"
+            f"{header_name}: {header_value}\r\n\r\n{{}}").encode()
+
+
 def pyload(port, header_name, header_value, duration, connections):
     """`closed_loop` for what wrk cannot send (headers over ~100 KB)."""
-    request = (f"POST /v1/completions HTTP/1.1\r\nhost: bench\r\ncontent-length: 2\r\n"
-               f"{header_name}: {header_value}\r\n\r\n{{}}").encode()
-    return closed_loop(port, [request], duration, connections)
+    return closed_loop(port, [request_with(header_name, header_value)], duration, connections)
 
 
 def load(port, header_name, header_value, duration, connections):
@@ -255,9 +259,7 @@ def run_variant(name, upstream, prompt, encoding, duration, connections, distinc
             wait_for(lambda: envoy.stat("kvroute_sync.version") >= state.version, what="feed applied")
         if distinct:
             # Prompts that differ from their first block on, sent in turn.
-            requests = [("POST /v1/completions HTTP/1.1\r\nhost: bench\r\ncontent-length: 2\r\n"
-                         "%s: %s\r\n\r\n{}" % header_of(name, [i, *prompt[1:]], encoding)).encode()
-                        for i in range(distinct)]
+            requests = [request_with(*header_of(name, [i, *prompt[1:]], encoding)) for i in range(distinct)]
 
             def run(seconds):
                 return closed_loop(lp, requests, seconds, connections)

@@ -311,6 +311,13 @@ pub struct PrefillChange {
     pub blocks: i64,
 }
 
+impl PrefillChange {
+    /// What undoes this change: a charge's release, in the epoch it was charged in.
+    pub fn undone(self) -> PrefillChange {
+        PrefillChange { blocks: -self.blocks, ..self }
+    }
+}
+
 /// Per slot (indexed by slot) [`SlotLoad`]: `n_slots × (u32 active, u32 prefill_epoch,
 /// u32 prefill_now, u32 prefill_before)` little-endian; missing tail slots are all 0.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -547,17 +554,15 @@ impl<'a> Bucket<'a> {
             out.union_le_words(mask);
             out = out.intersection(among);
         }
-        if with_fly && self.n_fly > 0 {
-            self.add_fly_holders(hash, now_ms, among, &mut out);
+        if with_fly {
+            out = out.union(&self.fly_holders(hash, now_ms, among));
         }
         out
     }
 
     /// The slots of `among` with `hash` in flight or predicted at `now_ms`.
     pub fn fly_holders(&self, hash: u64, now_ms: u64, among: &SlotSet) -> SlotSet {
-        let mut out = SlotSet::EMPTY;
-        self.add_fly_holders(hash, now_ms, among, &mut out);
-        out
+        self.fly_holders_and_in_flight(hash, now_ms, among).0
     }
 
     /// The slots of `among` with `hash` in flight or predicted at `now_ms`, and of those the
@@ -585,22 +590,6 @@ impl<'a> Bucket<'a> {
         (live, flying)
     }
 
-    #[inline]
-    fn add_fly_holders(&self, hash: u64, now_ms: u64, among: &SlotSet, out: &mut SlotSet) {
-        let mut i = self.fly_lower_bound(hash);
-        while i < self.n_fly {
-            let b = &self.fly[i * FLY_ENTRY..(i + 1) * FLY_ENTRY];
-            if le_u64(b) != hash {
-                break;
-            }
-            let slot = usize::from(u16::from_le_bytes([b[8], b[9]]));
-            if among.contains(slot) && le_u64(&b[12..]) > now_ms {
-                out.insert(slot);
-            }
-            i += 1;
-        }
-    }
-
     /// The slots of `among` that hold `hash` only in an offload tier: in the index's
     /// offloaded mask and (when `with_fly`) not in flight or predicted there — a block
     /// routed to a worker is being loaded into its GPU.
@@ -609,7 +598,7 @@ impl<'a> Bucket<'a> {
         let mut out = SlotSet::EMPTY;
         out.union_le_words(off);
         out = out.intersection(among);
-        if with_fly && !out.is_empty() && self.n_fly > 0 {
+        if with_fly && !out.is_empty() {
             out = out.difference(&self.fly_holders(hash, now_ms, &out));
         }
         out

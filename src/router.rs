@@ -471,7 +471,7 @@ impl Router {
     /// of updates that failed (0 or 1).
     pub fn end_prefill(&self, store: &dyn SharedStore, held: &mut Held, now_ms: u64) -> (u32, u32) {
         let Some(charge) = held.prefill.take() else { return (0, 0) };
-        let release = [PrefillChange { blocks: -charge.blocks, ..charge }];
+        let release = [charge.undone()];
         let mut reads = 0;
         let ok = update_load(store, &ActiveDelta::default(), &release, prefill_epoch(now_ms), None, &mut reads);
         (reads, u32::from(!ok))
@@ -490,8 +490,7 @@ impl Router {
         let linger_ms = if self.cfg.predict_on_route { self.cfg.prediction_ttl_ms } else { 0 };
         let mut by_bucket: Vec<(u32, Vec<inflight::Key>)> = Vec::new();
         // Streams that ended before their first response bytes (aborted, reset, or no body).
-        let prefills: Vec<PrefillChange> =
-            helds.iter().filter_map(|h| h.prefill).map(|c| PrefillChange { blocks: -c.blocks, ..c }).collect();
+        let prefills: Vec<PrefillChange> = helds.iter().filter_map(|h| h.prefill).map(PrefillChange::undone).collect();
         for held in helds {
             for (b, hashes) in &held.segments {
                 let i = match by_bucket.iter().position(|(x, _)| x == b) {

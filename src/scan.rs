@@ -68,19 +68,13 @@ impl Scan {
 
     /// Ends a scan of a `len`-block request: slots still in the running hold (carry) all.
     pub fn finish(&mut self, len: usize) {
-        for slot in self.holding.iter() {
-            if let Some(h) = self.hits.get_mut(slot) {
-                *h = len as u32;
-            }
-        }
-        for slot in self.carrying.iter() {
-            if let Some(h) = self.in_flight.get_mut(slot) {
-                *h = len as u32;
-            }
-        }
-        for slot in self.indexed.iter() {
-            if let Some(h) = self.in_index.get_mut(slot) {
-                *h = len as u32;
+        for (running, counts) in [
+            (&self.holding, &mut self.hits),
+            (&self.carrying, &mut self.in_flight),
+            (&self.indexed, &mut self.in_index),
+        ] {
+            for slot in running.iter() {
+                set_at(counts, slot, len);
             }
         }
     }
