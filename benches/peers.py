@@ -14,19 +14,30 @@ Lines:
                                  vllm-router 0.1.17: kv_aware reads the engines' vLLM ZMQ KV
                                  events (the same publishers the sidecar reads) and tokenizes
                                  through the engine's /tokenize
-  dynamo_kv                      NVIDIA Dynamo 1.6.1's KV router: not run yet (reported)
+  dynamo_kv                      NVIDIA Dynamo 1.6.1's frontend, --router-mode kv: on the
+                                 fleet, a Dynamo worker in front of each engine relays its
+                                 KV events (benches/dynamo_peer.py); on the mockers, Dynamo
+                                 as deployed, the mockers registered with its frontend
+
+Engine simulators (`--sim`):
+  fleet    kvroute-fleet's mock engines, reset between lines (the default)
+  mocker   Dynamo's mocker (benches/dynamo_fleet.py), written by others: an independent
+           model of vLLM's scheduler and cache, new engines for every line (it cannot be
+           reset); load levels from its own prefill cost, measured at the start
 
 Each peer is installed into its own virtualenv under target/peers/ on first use. Every
-line gets a fleet whose caches were reset and the same requests at the same times; the
+line gets a fleet whose caches are empty and the same requests at the same times; the
 engines tokenize text as vLLM does (Qwen3's tokenizer), and the client sends plain
 OpenAI completions with text prompts (`kvroute-fleet load --send text`), which every
 router accepts. Besides the routing-quality metrics, each run records the router's CPU
-time per request and its peak memory (kvroute: Envoy + the stage + the sidecar).
+time per request and its peak memory (kvroute: Envoy + the stage + the sidecar; Dynamo:
+its frontend, with the per-engine relays reported beside it, not counted: in a Dynamo
+deployment that code runs inside the engine).
 
     ./scripts/fetch-tokenizer.sh
     cargo build --release -p kvroute-sidecar -p kvroute-fleet -p kvroute-tokenizer
     cargo build --target wasm32-unknown-unknown --release
-    python3 benches/peers.py [--workloads shared_prefix_70,...] [--lines ...] [--out docs/peers]
+    python3 benches/peers.py [--sim fleet|mocker] [--workloads shared_prefix_70,...] [--lines ...] [--out docs/peers]
 """
 import argparse
 import json
@@ -41,14 +52,19 @@ sys.path.insert(0, str(ROOT / "benches"))
 from harness import (FLEET, TOKENIZER_DIR, Envoy, Processes, Tokenizer, free_port, ready_or_stop,  # noqa: E402
                      render_config, reset_fleet, start_fleet, wait_for, wait_http_ok, wait_synced)
 from harness.procs import Service  # noqa: E402
+import clients  # noqa: E402
+import dynamo_fleet  # noqa: E402
 import routing_quality as rq  # noqa: E402
+from dynamo_peer import PINS as DYNAMO_PINS  # noqa: E402
+from dynamo_peer import DynamoRouter, events_applied  # noqa: E402
 
 PEERS = ROOT / "target" / "peers"
 MODEL = "mock-llm"
 # Package pins: the versions measured.
 PINS = {"sglang-router": "sglang-router==0.3.2", "smg": "smg==1.13.0", "vllm-router": "vllm-router==0.1.17"}
-# The issue's workloads that the load generator has today (an agentic loop is not one yet).
-WORKLOADS = "shared_prefix_70,shared_prefix_100,zipf_hot_70,chat_70,burst_70"
+WORKLOADS = "shared_prefix_70,shared_prefix_100,zipf_hot_70,chat_70,agentic_70,burst_70"
+# What the real clients can send: uniform shared prefixes, one request at a time.
+CLIENT_WORKLOADS = "shared_prefix_70,shared_prefix_100"
 
 LINES = [
     ("kvroute_w1", "kvroute", {"overlap_weight": 1.0}),
@@ -61,10 +77,10 @@ LINES = [
     ("vllm_router_cache_aware", "vllm-router", "cache_aware"),
     ("dynamo_kv", "dynamo", None),
 ]
-NOT_RUN = {
-    "dynamo": "not run yet: Dynamo routes only to Dynamo workers, so each engine needs a Dynamo worker "
-              "in front that relays its ZMQ events; that relay is not written yet",
-}
+VERSIONS = {**PINS, "dynamo": " ".join(DYNAMO_PINS)}
+# Per-process CPU that is not the router's: Dynamo's per-engine relays stand in for code
+# that runs inside the engine in a Dynamo deployment.
+NOT_ROUTER = {"workers"}
 
 
 def install(package):
@@ -84,7 +100,10 @@ class Peer(Service):
     def __init__(self, package, policy, engines, port):
         venv = install(package)
         urls = [f"http://{e.id}" for e in engines]
-        common = ["--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls, "--policy", policy]
+        # Each on its own metrics port: the default (29000) would clash with any other
+        # router on the machine.
+        common = ["--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls, "--policy", policy,
+                  "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
         if package == "sglang-router":
             cmd = [str(venv / "bin" / "python"), "-m", "sglang_router.launch_router", *common]
         elif package == "smg":
@@ -103,48 +122,136 @@ class Peer(Service):
                                                  self.logs, 60))
 
 
+def markdown(results):
+    """One table per workload: the routing-quality columns, then the router's cost."""
+    lines = []
+    for w in dict.fromkeys(r["workload"] for r in results):
+        rs = [r for r in results if r["workload"] == w]
+        oracle = rs[0]["oracle_hit_rate"]
+        lines.append(f"\n**{w}**" + (f" (oracle hit rate {oracle:.2f})\n" if oracle else "\n"))
+        lines.append("| line | hit rate | ÷ oracle | TTFT p50 | p90 | p99 | e2e p50 | p99 | req/s | busy max/mean "
+                     "| failed | router CPU ms/req | router RSS MB |")
+        lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for r in rs:
+            s, t, e = r["speedup"], r["ttft_ms"], r["e2e_ms"]
+            busy = f"{r['busy_imbalance']:.2f}" if r["busy_imbalance"] else "–"
+            ratio = f"{r['hit_rate'] / oracle:.2f}" if oracle else "–"
+            lines.append(f"| {r['policy']} | {r['hit_rate']:.2f} | {ratio} | "
+                         f"{t['p50'] * s:.0f} | {t['p90'] * s:.0f} | {t['p99'] * s:.0f} | {e['p50'] * s:.0f} | "
+                         f"{e['p99'] * s:.0f} | {r['throughput_rps'] / s:.1f} | {busy} | {r['failed']} | "
+                         f"{r['router_cpu_ms_per_request']:.2f} | {r['router_peak_rss_mb']:.0f} |")
+    return "\n".join(lines)
+
+
+def cpu_by_process(p):
+    """{process: CPU seconds so far} of one metered service."""
+    if hasattr(p, "cpu_seconds_by_process"):
+        return p.cpu_seconds_by_process()
+    return {type(p).__name__.lower(): p.cpu_seconds()}
+
+
+class Fleet:
+    """The engines every line of a workload runs against, empty for each line."""
+
+    def __init__(self, procs, args):
+        self.procs, self.args = procs, args
+        self.settings = self.engines = self.sidecar = None
+
+    def for_line(self, settings, kind, port):
+        """(engines, sidecar, router or None): empty engines for the next line; on the
+        mocker, Dynamo's line comes with its own mockers (router)."""
+        a = self.args
+        if a.sim == "fleet":
+            if self.settings != settings:
+                self.procs.stop_all()
+                self.engines, self.sidecar = start_fleet(self.procs, a.workers, settings["blocks"],
+                                                         settings["speedup"], tokenizer=TOKENIZER_DIR)
+                self.settings = settings
+            else:
+                reset_fleet(self.engines, self.sidecar)
+            return self.engines, self.sidecar, None
+        # The mocker cannot be emptied: new engines for every line.
+        self.procs.stop_all()
+        if kind == "dynamo":
+            return [], None, self.procs.add(dynamo_fleet.DynamoOnMockers(a.workers, settings["blocks"],
+                                                                         settings["speedup"], port))
+        engines, sidecar = dynamo_fleet.start_mocker_fleet(self.procs, a.workers, settings["blocks"],
+                                                           settings["speedup"])
+        return engines, sidecar, None
+
+
+def drive(args, target, label, wname, wargs, engines, out):
+    """One run of the workload against target: (the load generator's summary, its
+    samples), or with a real client (--client) its own figures and the engines' hit rate
+    (no samples, no oracle: the client's prompts are its own)."""
+    if args.client != "fleet_load":
+        before = clients.engine_counters(engines)
+        r = clients.run(args.client, target, MODEL, TOKENIZER_DIR, clients.SharedPrefix.from_load_args(wargs), 7,
+                        out / "clients" / f"{wname}.{label}")
+        r.update(clients.engine_delta(before, clients.engine_counters(engines)))
+        r["oracle_hit_rate"] = None
+        return r, None
+    path = out / f"{wname}.{label}.json"
+    cmd = [str(FLEET), "load", "--target", target, "--label", label, "--seed", "7", "--json", str(path), "--quiet",
+           "--send", "text", "--tokenizer", str(TOKENIZER_DIR), "--model", MODEL, *wargs]
+    if args.sim == "fleet":
+        # Busy time and cache counters from the engines' own metrics.
+        for e in engines:
+            cmd += ["--engine", e.id]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    r = json.loads(path.read_text())
+    path.unlink()
+    return r, r.pop("samples")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sim", choices=("fleet", "mocker"), default="fleet", help="the engine simulator")
     ap.add_argument("--workers", type=int, default=8)
     ap.add_argument("--groups", type=int, default=16)
     ap.add_argument("--per-group", type=int, default=12)
     ap.add_argument("--blocks", type=int, default=512)
     # Lower than routing_quality's 5: here the engines (and kvroute's stage) tokenize text,
-    # real CPU work that a higher speed-up would inflate into model time on 2 cores.
-    ap.add_argument("--speedup", type=float, default=2.0)
-    ap.add_argument("--workloads", default=WORKLOADS)
+    # real CPU work that a higher speed-up would inflate into model time on 2 cores. The
+    # mocker models a GPU ~10x faster at prefill than the fleet's: slowed down instead, so
+    # that its arrival rates are ones this machine can drive.
+    ap.add_argument("--speedup", type=float, help="engine time ÷ (default: fleet 2, mocker 0.1)")
+    ap.add_argument("--client", choices=("fleet_load", "bench_serving", "aiperf"), default="fleet_load",
+                    help="what sends the requests: kvroute-fleet load, or a real client (benches/clients.py; "
+                         "uniform shared-prefix workloads only, on the fleet)")
+    ap.add_argument("--workloads", help=f"comma-separated (default: {WORKLOADS}; with a real client "
+                                        f"{CLIENT_WORKLOADS})")
     ap.add_argument("--lines", help="comma-separated line names (default: all)")
-    ap.add_argument("--out", default=str(ROOT / "target" / "peers-results"))
+    ap.add_argument("--out", help="results folder (default: target/peers-results[-mocker])")
     args = ap.parse_args()
+    args.speedup = args.speedup or (2.0 if args.sim == "fleet" else 0.1)
+    if args.client != "fleet_load" and args.sim != "fleet":
+        sys.exit("a real client reads hit rates from the fleet's engine counters: --sim fleet only")
+    args.workloads = args.workloads or (WORKLOADS if args.client == "fleet_load" else CLIENT_WORKLOADS)
+    default_out = "peers-results" + ("" if args.sim == "fleet" else "-mocker") + \
+        ("" if args.client == "fleet_load" else f"-{args.client}")
+    out = pathlib.Path(args.out or ROOT / "target" / default_out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.sim == "mocker":
+        # Load levels from the mocker's own prefill cost (its fixed costs per step cancel
+        # out of the measurement, and are left out of the capacity).
+        rq.PREFILL_OVERHEAD_MS, rq.PREFILL_MS_PER_TOKEN = 0.0, dynamo_fleet.prefill_ms_per_token(args.blocks)
+        print(f"mocker: {rq.PREFILL_MS_PER_TOKEN:.4f} ms per uncached prompt token (fleet: 0.2)", flush=True)
     # The routing-quality workloads, as that runner plans them.
     wl_args = argparse.Namespace(workers=args.workers, groups=args.groups, per_group=args.per_group,
                                  blocks=args.blocks, speedup=args.speedup, quick=False, workloads=args.workloads,
                                  trace=str(rq.TRACE), trace_requests=2000, mooncake_blocks=8192)
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     lines = rq.named(LINES, args.lines, "lines")
     procs = Processes()
-    results, skipped = [], []
-    for label, kind, _ in lines:
-        if kind in NOT_RUN:
-            skipped.append({"line": label, "reason": NOT_RUN[kind]})
-            print(f"{label}: {NOT_RUN[kind]}", flush=True)
+    results = []
     t_start = time.time()
-    fleet = {"settings": None}
+    fleet = Fleet(procs, args)
     try:
         port = free_port()
         for wname, level, wargs, settings in rq.workloads(wl_args):
-            if fleet["settings"] != settings:
-                procs.stop_all()
-                engines, sidecar = start_fleet(procs, args.workers, settings["blocks"], settings["speedup"],
-                                               tokenizer=TOKENIZER_DIR)
-                fleet = {"settings": settings, "engines": engines, "sidecar": sidecar}
-            engines, sidecar = fleet["engines"], fleet["sidecar"]
             speedup = settings["speedup"]
             for label, kind, how in lines:
-                if kind in NOT_RUN:
-                    continue
-                reset_fleet(engines, sidecar)
+                engines, sidecar, router = fleet.for_line(settings, kind, port)
                 if kind == "kvroute":
                     # A new stage per line, as every peer is a new process: no line starts
                     # with another's tokenizer cache.
@@ -157,50 +264,61 @@ def main():
                     router = procs.add(Envoy(cfg, lp, adm, concurrency=2))
                     wait_synced(router, sidecar)
                     metered = [router, stage, sidecar]
+                elif kind == "dynamo":
+                    router = router or procs.add(DynamoRouter(engines, port))
+                    metered = [router]
                 else:
                     router = procs.add(Peer(kind, how, engines, port))
                     metered = [router]
-                path = out / f"{wname}.{label}.json"
-                cmd = [str(FLEET), "load", "--target", f"127.0.0.1:{port}", "--label", label, "--seed", "7",
-                       "--json", str(path), "--quiet", "--send", "text", "--tokenizer", str(TOKENIZER_DIR),
-                       "--model", MODEL, *wargs]
-                for e in engines:
-                    cmd += ["--engine", e.id]
-                cpu0 = [p.cpu_seconds() for p in metered]
+                cpu0 = [cpu_by_process(p) for p in metered]
                 t0 = time.time()
-                subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-                r = json.loads(path.read_text())
-                r.pop("samples")
+                r, samples = drive(args, f"127.0.0.1:{port}", label, wname, wargs, engines, out)
                 # Per process (kvroute: Envoy, the stage, the sidecar), ms per request.
-                per_request = {type(p).__name__.lower(): (p.cpu_seconds() - c0) * 1000 / max(r["requests"], 1)
-                               for p, c0 in zip(metered, cpu0)}
-                scored = 0
+                per_request = {}
+                for p, c0 in zip(metered, cpu0):
+                    for k, v in cpu_by_process(p).items():
+                        per_request[k] = (v - c0[k]) * 1000 / max(r["requests"], 1)
+                scored, peer_events = 0, None
+                if kind == "dynamo":
+                    # The engines' (the mockers') KV events Dynamo's router applied, by status.
+                    peer_events = events_applied(port)
                 if kind == "kvroute":
                     wait_for(lambda: router.stat("kvroute.requests") >= r["requests"], what="the filters' counters")
                     scored = router.stat("kvroute.scored")
-                r.update({"workload": wname, "load": level, "policy": label, "router": kind,
+                r.update({"workload": wname, "load": level, "policy": label, "router": kind, "sim": args.sim,
                           "wall_s": round(time.time() - t0, 1), "speedup": speedup,
-                          "router_cpu_ms_per_request": round(sum(per_request.values()), 3),
+                          "router_cpu_ms_per_request": round(
+                              sum(v for k, v in per_request.items() if k not in NOT_ROUTER), 3),
                           "router_cpu_ms_per_request_by_process": {k: round(v, 3) for k, v in per_request.items()},
                           "router_peak_rss_mb": round(sum(p.peak_rss_mb() for p in metered), 1),
-                          "scored": scored})
+                          "scored": scored, "peer_events_stored": peer_events})
                 for p in metered:
                     if p is not sidecar:
                         procs.stop(p)
-                path.unlink()
+                if samples is not None:
+                    # The samples for the CDF plot, in model time.
+                    (out / f"{wname}.{label}.samples.json").write_text(json.dumps(
+                        {"label": label, "samples": [{"ok": x["ok"], "ttft_ms": x["ttft_ms"] * speedup}
+                                                     for x in samples]}))
                 results.append(r)
-                print(f"{wname:18} {label:26} hit {r['hit_rate']:.2f}/{r['oracle_hit_rate']:.2f} "
+                print(f"{wname:18} {label:26} hit {r['hit_rate']:.2f}/{r['oracle_hit_rate'] or 0:.2f} "
                       f"ttft p50 {r['ttft_ms']['p50'] * speedup:7.0f} p99 {r['ttft_ms']['p99'] * speedup:7.0f} ms "
                       f"cpu {r['router_cpu_ms_per_request']:.2f} ms/req rss {r['router_peak_rss_mb']:.0f} MB "
                       f"failed {r['failed']}", flush=True)
+            sample_files = [out / f"{wname}.{label}.samples.json" for label, *_ in lines]
+            if not all(f.exists() for f in sample_files):
+                continue  # a real client: no per-request samples
+            subprocess.run([str(FLEET), "plot", *map(str, sample_files), "--out", str(out / f"ttft-{wname}.svg"),
+                            "--title", f"TTFT, {wname}, {args.sim} (model time)"], check=True)
+            for f in sample_files:  # the plot has them; results.json keeps the summaries
+                f.unlink()
     finally:
         procs.stop_all()
     (out / "results.json").write_text(json.dumps(
-        {"config": vars(args), "versions": PINS, "wall_s": round(time.time() - t_start), "runs": results,
-         "not_run": skipped}, indent=1))
-    print(rq.markdown(results))
-    for s in skipped:
-        print(f"\n{s['line']}: {s['reason']}")
+        {"config": vars(args), "versions": VERSIONS, "wall_s": round(time.time() - t_start), "runs": results},
+        indent=1))
+    (out / "tables.md").write_text(markdown(results))
+    print(markdown(results))
     print(f"\n{len(results)} runs in {time.time() - t_start:.0f} s; results in {out}")
 
 

@@ -139,6 +139,16 @@ def workloads(args):
     out.append(("chat_70", 0.7, ["--workload", "chat", "--conversations", str(args.groups * 2), "--turns", str(turns),
                                  "--system-prompt-len", str(first), "--question-len", "64", "--output-len", "16",
                                  "--rate", f"{chat_cap * 0.7 / turns:.3f}"], {}))
+    # An agentic loop: 32 agents at once share one 2048-token system prompt (instructions
+    # and tools); each has a 256-token task, then 8 steps of a 32-token tool call and a
+    # 256-token tool result appended. Each agent's history outgrows what its first worker
+    # can keep beside the others', and every agent's first blocks are the same.
+    steps, tool = 8, 256
+    agent_cap = prefill_capacity(args.workers, 2048 + tool + (steps - 1) / 2 * (32 + tool))
+    out.append(("agentic_70", 0.7, ["--workload", "agentic", "--conversations", str(args.groups * 2),
+                                    "--turns", str(steps), "--system-prompt-len", "2048",
+                                    "--question-len", str(tool), "--output-len", "32",
+                                    "--rate", f"{agent_cap * 0.7 / steps:.3f}"], {}))
     out.append(("mooncake_70", 0.7, None, {"blocks": args.mooncake_blocks}))
     if args.quick:
         out = [w for w in out if w[0] in ("shared_prefix_70", "zipf_70")]

@@ -17,7 +17,7 @@
 //! pure: `plan` schedules the next step and says how long it takes; the caller sleeps that
 //! long (divided by its speed-up) and calls `complete`. Defaults: [`Timing::default`].
 
-use crate::kvcache::{Allocation, KvCache, KvEvent};
+use crate::kvcache::{Allocation, BlockHash, KvCache, KvEvent};
 use std::collections::VecDeque;
 use std::time::Duration;
 
@@ -81,7 +81,7 @@ pub enum Output {
 struct Prefill {
     req: Request,
     alloc: Allocation,
-    hashes: Vec<u64>,
+    hashes: Vec<BlockHash>,
     /// Uncached prompt tokens still to compute.
     left: usize,
     /// Tokens of the step being run (`plan` sets it, `complete` applies it).
@@ -325,7 +325,15 @@ fn cache_filled_block(cache: &mut KvCache, r: &mut Running) {
     let n = r.tokens.len() / bs;
     if r.tokens.len().is_multiple_of(bs) && r.alloc.chain.len() + 1 == n {
         let block = &r.tokens[(n - 1) * bs..];
-        let h = crate::kvcache::engine_hash(r.alloc.chain.last().copied(), block);
+        let parent = match r.alloc.chain.last() {
+            // A running request's blocks stay cached, so its last one is there.
+            Some(&id) => match cache.block_hash(id) {
+                Some(h) => Some(h),
+                None => return,
+            },
+            None => None,
+        };
+        let h = BlockHash::of(parent.as_ref(), block);
         let block = block.to_vec();
         cache.commit(&mut r.alloc, &[h], &block);
     }

@@ -2,8 +2,10 @@
 //! can tell:
 //!
 //! - the GPU holds `capacity` blocks of `block_size` tokens;
-//! - a full block is named by a hash chained over its parent's (the engine's own hash,
-//!   deliberately not the router's: the sidecar must recompute router hashes from tokens);
+//! - a full block is named by a hash chained over its parent's, vLLM 0.33's default
+//!   ([`BlockHash::of`]): not the router's hash, so the sidecar must recompute router
+//!   hashes from tokens, and the one peers that recompute vLLM's hashes from a request's
+//!   tokens (vllm-router's `kv_aware`) look up;
 //! - a request reuses the cached blocks of its longest cached prefix and allocates the rest
 //!   up front (prompt and the most it may generate), so the cache never exceeds capacity;
 //! - blocks a running request references are never evicted; free cached blocks are
@@ -13,14 +15,11 @@
 //!
 //! Every change is reported as a KV event ([`KvEvent`]) for the publisher.
 
+use sha2::{Digest, Sha256};
 use std::collections::{BTreeSet, HashMap};
-use xxhash_rust::xxh3::xxh3_64_with_seed;
-
-/// The engine's hash seed: any value but the router's (1337).
-const ENGINE_SEED: u64 = 0x5EED_0FE9;
 
 /// What the engine tells subscribers, as vLLM's `BlockStored` / `BlockRemoved` /
-/// `AllBlocksCleared`.
+/// `AllBlocksCleared` (hashes as their 64-bit event form, [`BlockHash::id`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum KvEvent {
     Stored { hashes: Vec<u64>, parent: Option<u64>, token_ids: Vec<u32> },
@@ -30,6 +29,8 @@ pub enum KvEvent {
 
 #[derive(Debug, Clone)]
 struct Block {
+    /// Its whole hash, which its children's are computed from.
+    hash: BlockHash,
     parent: Option<u64>,
     /// Cached children (blocks whose parent this is).
     children: u32,
@@ -38,12 +39,95 @@ struct Block {
     last_used: u64,
 }
 
-/// The engine hash of a block given its parent's.
-pub fn engine_hash(parent: Option<u64>, tokens: &[u32]) -> u64 {
-    let mut buf = Vec::with_capacity(8 + tokens.len() * 4);
-    buf.extend_from_slice(&parent.unwrap_or(0).to_le_bytes());
-    buf.extend(tokens.iter().flat_map(|t| t.to_le_bytes()));
-    xxh3_64_with_seed(&buf, ENGINE_SEED)
+/// A block's hash as vLLM 0.33 computes it by default (`prefix_caching_hash_algo =
+/// "sha256"`, `vllm/v1/core/kv_cache_utils.py`): SHA-256 of
+/// `pickle.dumps((parent, tuple(tokens), None), protocol=5)`, where the first block's
+/// parent is `NONE_HASH`, SHA-256 of the pickled seed `"vllm-none-hash"` (vLLM's fixed
+/// seed for a cryptographic hash when `PYTHONHASHSEED` is unset), and `None` stands for no
+/// extra keys (no LoRA, cache salt or multimodal input, which the mock does not take).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlockHash(pub [u8; 32]);
+
+/// vLLM's `DEFAULT_NONE_HASH_SEED`.
+const NONE_HASH_SEED: &str = "vllm-none-hash";
+
+impl BlockHash {
+    /// The hash of a block of `tokens` after `parent` (`None`: the first block).
+    pub fn of(parent: Option<&BlockHash>, tokens: &[u32]) -> BlockHash {
+        let none;
+        let parent = match parent {
+            Some(p) => p,
+            None => {
+                none = BlockHash::none();
+                &none
+            }
+        };
+        let mut body = Vec::with_capacity(48 + 3 * tokens.len());
+        body.extend_from_slice(&[0x43, 32]); // SHORT_BINBYTES, 32 bytes
+        body.extend_from_slice(&parent.0);
+        body.push(0x94); // MEMOIZE
+        pickle_int_tuple(&mut body, tokens);
+        body.extend_from_slice(&[0x4e, 0x87, 0x94]); // None, TUPLE3, MEMOIZE
+        BlockHash(sha256_pickle(&body))
+    }
+
+    /// `NONE_HASH`: the parent of every first block.
+    fn none() -> BlockHash {
+        let mut body = vec![0x8c, NONE_HASH_SEED.len() as u8]; // SHORT_BINUNICODE
+        body.extend_from_slice(NONE_HASH_SEED.as_bytes());
+        body.push(0x94); // MEMOIZE
+        BlockHash(sha256_pickle(&body))
+    }
+
+    /// The hash as KV events carry it (`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`, on by
+    /// default): the digest as a big-endian integer, its low 64 bits.
+    pub fn id(&self) -> u64 {
+        let mut low = [0u8; 8];
+        low.copy_from_slice(&self.0[24..]);
+        u64::from_be_bytes(low)
+    }
+}
+
+/// SHA-256 of a protocol-5 pickle whose opcodes after the header are `body` (then STOP),
+/// in one frame, as CPython's pickler writes it.
+fn sha256_pickle(body: &[u8]) -> [u8; 32] {
+    let mut h = Sha256::new();
+    h.update([0x80, 5, 0x95]); // PROTO 5, FRAME
+    h.update((body.len() as u64 + 1).to_le_bytes());
+    h.update(body);
+    h.update([0x2e]); // STOP
+    h.finalize().into()
+}
+
+/// A tuple of non-negative ints, pickled: the smallest integer opcode each, a MARK and
+/// TUPLE around more than three, then MEMOIZE (an empty tuple is not memoized).
+fn pickle_int_tuple(out: &mut Vec<u8>, items: &[u32]) {
+    if items.len() > 3 {
+        out.push(0x28); // MARK
+    }
+    for &t in items {
+        match t {
+            0..=0xff => out.extend_from_slice(&[0x4b, t as u8]), // BININT1
+            0x100..=0xffff => {
+                out.push(0x4d); // BININT2
+                out.extend_from_slice(&(t as u16).to_le_bytes());
+            }
+            0x1_0000..=0x7fff_ffff => {
+                out.push(0x4a); // BININT (signed 32-bit)
+                out.extend_from_slice(&t.to_le_bytes());
+            }
+            _ => {
+                out.extend_from_slice(&[0x8a, 5]); // LONG1: two's complement, a zero sign byte
+                out.extend_from_slice(&t.to_le_bytes());
+                out.push(0);
+            }
+        }
+    }
+    match items.len() {
+        0 => out.push(0x29),                                         // EMPTY_TUPLE
+        n @ 1..=3 => out.extend_from_slice(&[0x84 + n as u8, 0x94]), // TUPLE1..3, MEMOIZE
+        _ => out.extend_from_slice(&[0x74, 0x94]),                   // TUPLE, MEMOIZE
+    }
 }
 
 /// One request's hold on the cache.
@@ -102,21 +186,23 @@ impl KvCache {
         std::mem::take(&mut self.events)
     }
 
-    /// Engine hashes of every full block of `tokens`.
-    pub fn hashes(&self, tokens: &[u32]) -> Vec<u64> {
-        let mut out = Vec::with_capacity(tokens.len() / self.block_size);
-        let mut parent = None;
+    /// The hashes of every full block of `tokens`.
+    pub fn hashes(&self, tokens: &[u32]) -> Vec<BlockHash> {
+        let mut out: Vec<BlockHash> = Vec::with_capacity(tokens.len() / self.block_size);
         for block in tokens.chunks_exact(self.block_size) {
-            let h = engine_hash(parent, block);
-            out.push(h);
-            parent = Some(h);
+            out.push(BlockHash::of(out.last(), block));
         }
         out
     }
 
+    /// The whole hash of a cached block (a running request's last, say).
+    pub fn block_hash(&self, id: u64) -> Option<BlockHash> {
+        self.blocks.get(&id).map(|b| b.hash)
+    }
+
     /// Leading blocks of `hashes` cached now.
-    pub fn cached_prefix(&self, hashes: &[u64]) -> usize {
-        hashes.iter().take_while(|h| self.blocks.contains_key(h)).count()
+    pub fn cached_prefix(&self, hashes: &[BlockHash]) -> usize {
+        hashes.iter().take_while(|h| self.blocks.contains_key(&h.id())).count()
     }
 
     /// Whether a request needing `total_blocks` could ever fit.
@@ -127,19 +213,19 @@ impl KvCache {
     /// Admits a request of `prompt_hashes` (its full prompt blocks) that needs `total_blocks`
     /// blocks in all (prompt and the most it may generate): references its cached prefix
     /// and reserves the rest, evicting free blocks as needed. `None` if it cannot fit yet.
-    pub fn admit(&mut self, prompt_hashes: &[u64], total_blocks: usize) -> Option<Allocation> {
+    pub fn admit(&mut self, prompt_hashes: &[BlockHash], total_blocks: usize) -> Option<Allocation> {
         let hits = self.cached_prefix(prompt_hashes);
         let needed = total_blocks.saturating_sub(hits);
         // Free space, counting what could be evicted (hit blocks are about to be pinned).
         let pinned_free =
-            prompt_hashes[..hits].iter().filter(|h| self.blocks.get(h).is_some_and(|b| b.refs == 0)).count();
+            prompt_hashes[..hits].iter().filter(|h| self.blocks.get(&h.id()).is_some_and(|b| b.refs == 0)).count();
         let free = self.capacity - self.used;
         let evictable = self.evictable_total().saturating_sub(pinned_free);
         if needed > free + evictable {
             return None;
         }
         for h in &prompt_hashes[..hits] {
-            self.reference(*h);
+            self.reference(h.id());
         }
         while self.capacity - self.used < needed {
             if !self.evict_one() {
@@ -148,26 +234,31 @@ impl KvCache {
             }
         }
         self.used += needed;
-        Some(Allocation { chain: prompt_hashes[..hits].to_vec(), hit_blocks: hits, reserved: needed })
+        Some(Allocation {
+            chain: prompt_hashes[..hits].iter().map(BlockHash::id).collect(),
+            hit_blocks: hits,
+            reserved: needed,
+        })
     }
 
     /// Commits the request's next computed full blocks (`hashes`, the chain continuing its
     /// own, and their `tokens`) as cached: one `BlockStored` for the run. A block another
     /// request cached meanwhile is shared instead (its reserved block is returned).
-    pub fn commit(&mut self, alloc: &mut Allocation, hashes: &[u64], tokens: &[u32]) {
+    pub fn commit(&mut self, alloc: &mut Allocation, hashes: &[BlockHash], tokens: &[u32]) {
         let mut run_start: Option<usize> = None;
         let mut parent = alloc.chain.last().copied();
         let flush = |cache: &mut KvCache, from: Option<usize>, to: usize, parent_of_run: Option<u64>| {
             if let Some(s) = from {
                 cache.events.push(KvEvent::Stored {
-                    hashes: hashes[s..to].to_vec(),
+                    hashes: hashes[s..to].iter().map(BlockHash::id).collect(),
                     parent: parent_of_run,
                     token_ids: tokens[s * cache.block_size..to * cache.block_size].to_vec(),
                 });
             }
         };
         let mut run_parent = parent;
-        for (i, &h) in hashes.iter().enumerate() {
+        for (i, full) in hashes.iter().enumerate() {
+            let h = full.id();
             alloc.reserved = alloc.reserved.saturating_sub(1);
             if self.blocks.contains_key(&h) {
                 // Computed twice (another request got there first): share, free ours.
@@ -189,7 +280,7 @@ impl KvCache {
                         self.evictable.remove(&(lu, p));
                     }
                 }
-                self.blocks.insert(h, Block { parent, children: 0, refs: 1, last_used: self.tick });
+                self.blocks.insert(h, Block { hash: *full, parent, children: 0, refs: 1, last_used: self.tick });
             }
             alloc.chain.push(h);
             parent = Some(h);
@@ -283,6 +374,23 @@ impl KvCache {
 mod tests {
     use super::*;
 
+    #[test]
+    fn block_hashes_are_vllms() {
+        // From CPython 3.11: hashlib.sha256(pickle.dumps((parent, tuple(tokens), None), 5)),
+        // the first parent hashlib.sha256(pickle.dumps("vllm-none-hash", 5)).
+        let hex = |h: &BlockHash| h.0.iter().map(|b| format!("{b:02x}")).collect::<String>();
+        assert_eq!(hex(&BlockHash::none()), "066b1e8987e027138e98701c46128929378935f9b6cd1549105ae6b4f0d71198");
+        let a = BlockHash::of(None, &(250..266).collect::<Vec<u32>>());
+        assert_eq!(hex(&a), "ea81352c8694f5b1c00f88736e32cede489d35b615b3babe916a3c9fa17466f1");
+        assert_eq!(a.id(), 10478254139337107185);
+        // Every integer opcode: BININT1, BININT2, BININT, LONG1.
+        let wide = [0, 255, 256, 65535, 65536, (1 << 31) - 1, 1 << 31, u32::MAX, 7, 8, 9, 10, 11, 12, 13, 14];
+        let b = BlockHash::of(Some(&a), &wide);
+        assert_eq!(hex(&b), "d6c0c7c680ec9588367f7295783885cf4efd4f327b6586eb57a39efb201b531d");
+        // A short block: TUPLE2, no MARK.
+        assert_eq!(BlockHash::of(Some(&b), &[1, 2]).id(), 14746757103545265928);
+    }
+
     fn toks(prefix: u32, n: usize) -> Vec<u32> {
         (0..n as u32).map(|i| prefix * 100_000 + i).collect()
     }
@@ -316,7 +424,11 @@ mod tests {
         let hb = c.hashes(&b);
         assert_eq!(
             ev,
-            vec![KvEvent::Stored { hashes: hb[2..].to_vec(), parent: Some(hb[1]), token_ids: b[8..].to_vec() }]
+            vec![KvEvent::Stored {
+                hashes: hb[2..].iter().map(BlockHash::id).collect(),
+                parent: Some(hb[1].id()),
+                token_ids: b[8..].to_vec()
+            }]
         );
         c.release(alloc.unwrap());
         assert_eq!(c.cached_blocks(), 6);
@@ -341,7 +453,7 @@ mod tests {
             .filter_map(|e| if let KvEvent::Removed { hashes } = e { Some(hashes) } else { None })
             .flatten()
             .collect();
-        assert_eq!(removed, vec![ha[5], ha[4], ha[3]]);
+        assert_eq!(removed, vec![ha[5].id(), ha[4].id(), ha[3].id()]);
         assert_eq!(c.cached_prefix(&ha), 3);
         // While b runs, its 7 blocks are pinned: a request needing 4 must wait.
         assert!(c.admit(&c.hashes(&toks(3, 16)), 4).is_none());

@@ -23,6 +23,9 @@ use std::time::{Duration, Instant};
 pub enum WorkloadKind {
     SharedPrefix,
     Chat,
+    /// Agents sharing one system prompt, each looping: an answer (a tool call), then a
+    /// tool result appended, sent again (`--conversations` agents of `--turns` steps).
+    Agentic,
     Mooncake,
 }
 
@@ -73,7 +76,10 @@ pub struct LoadArgs {
     /// Zipf exponent of group popularity; 0 = uniform.
     #[arg(long, default_value_t = 0.0)]
     pub zipf: f64,
-    /// Chat: conversations and turns each.
+    /// Chat and agentic: conversations (agents) and turns (steps) each. Chat: the first
+    /// prompt is `--system-prompt-len` tokens of its own, each next question
+    /// `--question-len`. Agentic: every agent starts with the same `--system-prompt-len`
+    /// tokens, then a task of `--question-len`; each tool result is `--question-len`.
     #[arg(long, default_value_t = 16)]
     pub conversations: usize,
     #[arg(long, default_value_t = 4)]
@@ -451,17 +457,19 @@ pub async fn run(args: LoadArgs) -> Result<Value, String> {
             ticker.abort();
             (total, samples)
         }
-        WorkloadKind::Chat => {
+        WorkloadKind::Chat | WorkloadKind::Agentic => {
+            let mut rng = Rng::new(args.seed);
+            let agentic = args.workload == WorkloadKind::Agentic;
             let chat = Chat {
                 conversations: args.conversations,
                 turns: args.turns,
-                first_len: args.system_prompt_len,
+                system: if agentic { workload::random_tokens(&mut rng, args.system_prompt_len) } else { Vec::new() },
+                first_len: if agentic { args.question_len } else { args.system_prompt_len },
                 question_len: args.question_len,
                 output_len: args.output_len,
             };
             let total = chat.conversations * chat.turns;
             let ticker = ticker(&args, progress.clone(), total);
-            let mut rng = Rng::new(args.seed);
             let starts = workload::poisson_times(&mut rng, chat.conversations, args.rate);
             let mut handles = Vec::new();
             for (c, at) in starts.into_iter().enumerate() {
@@ -472,7 +480,7 @@ pub async fn run(args: LoadArgs) -> Result<Value, String> {
                 let mut rng = Rng::new(args.seed ^ (c as u64 + 1).wrapping_mul(0x9E37_79B9));
                 handles.push(tokio::spawn(async move {
                     tokio::time::sleep_until(tokio::time::Instant::from_std(start + at)).await;
-                    let mut conv = writer.start(workload::random_tokens(&mut rng, chat.first_len), 0);
+                    let mut conv = writer.start(chat.first_prompt(&mut rng), chat.system.len());
                     let mut out = Vec::new();
                     for _ in 0..chat.turns {
                         let s = send(&sender, &conv, chat.output_len, c as u64).await;
@@ -517,7 +525,7 @@ fn plan(args: &LoadArgs) -> Result<Vec<Planned>, String> {
             let text = std::fs::read_to_string(&args.trace).map_err(|e| format!("--trace {}: {e}", args.trace))?;
             workload::mooncake(&text, args.length_scale, args.time_scale, args.requests, args.output_len.max(1))
         }
-        WorkloadKind::Chat => Ok(Vec::new()),
+        WorkloadKind::Chat | WorkloadKind::Agentic => Ok(Vec::new()),
     }
 }
 

@@ -166,13 +166,27 @@ impl SharedPrefix {
 
 /// Multi-turn chat: `conversations` of `turns` turns; conversations start as a Poisson
 /// process at `rate`; each next turn is sent when the previous answer is complete.
+/// An agentic loop is the same with a `system` prompt every conversation starts with
+/// (the agents' shared instructions and tools), a task of `first_len` tokens, and a tool
+/// result of `question_len` tokens after each answer.
 #[derive(Debug, Clone)]
 pub struct Chat {
     pub conversations: usize,
     pub turns: usize,
+    /// Shared by every conversation (empty: none).
+    pub system: Vec<u32>,
     pub first_len: usize,
     pub question_len: usize,
     pub output_len: usize,
+}
+
+impl Chat {
+    /// A conversation's first prompt: the shared system prompt, then its own opening.
+    pub fn first_prompt(&self, rng: &mut Rng) -> Vec<u32> {
+        let mut p = self.system.clone();
+        p.extend(random_tokens(rng, self.first_len));
+        p
+    }
 }
 
 #[derive(Deserialize)]
@@ -217,6 +231,26 @@ pub fn mooncake(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn agents_share_the_system_prompt_and_nothing_after_it() {
+        let mut rng = Rng::new(3);
+        let chat = Chat {
+            conversations: 2,
+            turns: 3,
+            system: random_tokens(&mut rng, 64),
+            first_len: 20,
+            question_len: 10,
+            output_len: 4,
+        };
+        let (a, b) = (chat.first_prompt(&mut Rng::new(1)), chat.first_prompt(&mut Rng::new(2)));
+        assert_eq!((a.len(), b.len()), (84, 84));
+        assert_eq!(a[..64], chat.system[..]);
+        assert_eq!(b[..64], chat.system[..]);
+        assert_ne!(a[64..], b[64..]);
+        let plain = Chat { system: Vec::new(), ..chat };
+        assert_eq!(plain.first_prompt(&mut Rng::new(1)).len(), 20);
+    }
 
     #[test]
     fn shared_prefix_groups_share_their_system_prompt() {

@@ -1,6 +1,7 @@
 //! The stage alone, in process: what one OpenAI request costs to tokenize (request body in,
 //! token ids out, as the ext_proc handler calls it), at 2k and 32k tokens, with the segment
-//! cache cold (off) and with the system prompt cached, on the real Qwen3 tokenizer.
+//! cache cold (off) and with the system prompt (a chat's, or a text prompt's shared
+//! document) cached, on the real Qwen3 tokenizer.
 //!
 //!     ./scripts/fetch-tokenizer.sh
 //!     cargo bench -p kvroute-tokenizer --bench stage [-- --json out.json --texts DIR]
@@ -89,14 +90,26 @@ fn cases(stage: &Stage) -> Vec<Case> {
     let mut out = Vec::new();
     for tokens in [2048usize, 32768] {
         let system = system_prompt(stage, tokens);
+        let chat_system = system.clone();
         out.push(Case {
             name: format!("chat_{}k", tokens / 1024),
             endpoint: Endpoint::ChatCompletions,
             body: Box::new(move |n| {
                 serde_json::to_vec(&json!({"model": "qwen3", "max_tokens": 16, "messages": [
-                    {"role": "system", "content": system},
+                    {"role": "system", "content": chat_system},
                     {"role": "user", "content": format!("Question {n}: {}", prose(24, n as u64 + 100))}]}))
                 .unwrap_or_default()
+            }),
+        });
+        // A plain-text completion: the same document, then a new question, in one string
+        // (one segment: the chunk cache is what serves its shared part).
+        let document = system.clone();
+        out.push(Case {
+            name: format!("text_{}k", tokens / 1024),
+            endpoint: Endpoint::Completions,
+            body: Box::new(move |n| {
+                let prompt = format!("{document}\nQuestion {n}: {}", prose(24, n as u64 + 100));
+                serde_json::to_vec(&json!({"model": "qwen3", "max_tokens": 16, "prompt": prompt})).unwrap_or_default()
             }),
         });
         let ids: Vec<u32> = (0..tokens as u32).map(|i| (i * 2_654_435_761u32) % 151_000).collect();

@@ -129,6 +129,8 @@ impl Model {
                 "model {}: token ids are not cached per segment ({why}); every text is tokenized whole",
                 spec.name
             );
+        } else if !segmenter.chunked() {
+            log::info!("model {}: long segments are cached whole, not in chunks (its pre-tokenizer)", spec.name);
         }
         let server_template = spec.chat_template.clone();
         Ok(Model {
@@ -148,6 +150,11 @@ impl Model {
 
     pub fn cache_stats(&self) -> CacheStats {
         self.segmenter.stats()
+    }
+
+    /// Long texts are cached in chunks (see [`crate::segments`]), not only whole segments.
+    pub fn chunked(&self) -> bool {
+        self.segmenter.chunked()
     }
 
     pub fn tokenizer(&self) -> &Tokenizer {

@@ -8,6 +8,16 @@
 //! every piece alike (no `Metaspace` that prepends only to the first): [`Segmenter::new`]
 //! checks both, and also encodes a probe text both ways. A tokenizer that fails any check
 //! is encoded whole, uncached (counted, and logged at start).
+//!
+//! A long segment (a plain-text completion is one) is cut further into chunks, so that two
+//! texts sharing a prefix share its chunks. A cut goes before a space between two ASCII
+//! letters (`word| word`), the first such place at least [`CHUNK_BYTES`] after the last
+//! cut: it depends only on the text before it, so a shared prefix is cut alike in every
+//! text. Such a cut is a pre-token boundary only for pre-tokenizers whose letter runs
+//! stop at a space and whose next run starts with it, the GPT-2 byte-level regex and the
+//! GPT-4-style split of Qwen2/3 and Llama 3 ([`chunk_safe`]), under a normalizer that
+//! leaves ASCII alone; BPE then never merges across it. Other tokenizers keep whole
+//! segments. The probe checks chunks too.
 
 use aho_corasick::{AhoCorasick, AhoCorasickBuilder, MatchKind};
 use lru::LruCache;
@@ -17,11 +27,25 @@ use tokenizers::Tokenizer;
 /// Bytes an entry costs beyond its key and ids (map slot, list links, allocations).
 const ENTRY_OVERHEAD: usize = 96;
 
+/// The least length of a chunk but the last of a segment: ~60 tokens of English, so a
+/// 2k-token prefix is ~35 lookups and a text that diverges retokenizes ~1 chunk of it.
+pub const CHUNK_BYTES: usize = 256;
+
+/// Pre-tokenizer split patterns under which `word| word` is a pre-token boundary.
+const CHUNK_SAFE_SPLITS: [&str; 2] = [
+    // Qwen2, Qwen2.5, Qwen3
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    // Llama 3 (cl100k-style, digits in threes)
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+];
+
 /// Splits text on a tokenizer's added tokens and caches the pieces' token ids.
 pub struct Segmenter {
     /// The added tokens, leftmost-longest, as `AddedVocabulary` matches them; `None`: the
     /// tokenizer is not segment-safe, encode whole texts.
     matcher: Option<(AhoCorasick, Vec<u32>)>,
+    /// Segments are cut into chunks ([`chunk_safe`]).
+    chunked: bool,
     cache: Mutex<Cache>,
 }
 
@@ -55,10 +79,11 @@ impl Segmenter {
             Ok(m) => (Some(m), None),
             Err(why) => (None, Some(why)),
         };
-        let s = Segmenter { matcher, cache };
+        let chunked = matcher.is_some() && chunk_safe(tok).is_ok();
+        let s = Segmenter { matcher, chunked, cache };
         if s.matcher.is_some() {
             if let Err(why) = s.probe(tok) {
-                return (Segmenter { matcher: None, ..s }, Some(why));
+                return (Segmenter { matcher: None, chunked: false, ..s }, Some(why));
             }
         }
         (s, why_not)
@@ -66,6 +91,11 @@ impl Segmenter {
 
     pub fn segmented(&self) -> bool {
         self.matcher.is_some()
+    }
+
+    /// Long segments are cut into chunks.
+    pub fn chunked(&self) -> bool {
+        self.chunked
     }
 
     /// The token ids of `text` without special tokens added (`add_special_tokens=False`),
@@ -89,7 +119,20 @@ impl Segmenter {
         Ok(out)
     }
 
+    /// A segment's ids, chunk by chunk where it is chunked.
     fn piece(&self, tok: &Tokenizer, piece: &str, out: &mut Vec<u32>) -> Result<(), String> {
+        if !self.chunked {
+            return self.lookup(tok, piece, out);
+        }
+        let mut rest = piece;
+        while let Some(cut) = next_cut(rest) {
+            self.lookup(tok, &rest[..cut], out)?;
+            rest = &rest[cut..];
+        }
+        self.lookup(tok, rest, out)
+    }
+
+    fn lookup(&self, tok: &Tokenizer, piece: &str, out: &mut Vec<u32>) -> Result<(), String> {
         {
             let mut c = lock(&self.cache);
             if let Some(ids) = c.map.get(piece) {
@@ -120,14 +163,24 @@ impl Segmenter {
         CacheStats { entries: c.map.len(), bytes: c.bytes, hits: c.hits, misses: c.misses }
     }
 
-    /// Encodes a text with added tokens in it both ways; they must agree.
+    /// Encodes a text with added tokens and long segments in it both ways; they must agree.
     fn probe(&self, tok: &Tokenizer) -> Result<(), String> {
         let mut added: Vec<String> = tok.get_added_tokens_decoder().into_values().map(|t| t.content).collect();
         added.sort();
         let mut text = String::from("  Hello,\u{00e9}  world!\n");
+        // Chunk cuts after every kind of pre-token: words, contractions, digits,
+        // punctuation, newlines, runs of spaces, non-ASCII letters and marks.
+        let prose = "It's the user's   turn: 12345 cafe\u{0301} naïve Ωmega, don't STOP at 3.14.\n\n\
+                     Then  again\t a new line of plain words wraps here and there again ";
+        for _ in 0..2 * CHUNK_BYTES / prose.len() + 2 {
+            text.push_str(prose);
+        }
         for (i, a) in added.iter().take(8).enumerate() {
             text.push_str(a);
             text.push_str(["x", " y", "\n\n z", "  ", "1234", "ünïcödé", "\t", ""][i % 8]);
+            if i == 0 {
+                text.push_str(&prose.repeat(2 * CHUNK_BYTES / prose.len() + 2));
+            }
         }
         text.push_str(" the end ");
         let segmented = self.encode(tok, &text)?;
@@ -145,6 +198,57 @@ impl Segmenter {
 
 fn lock(c: &Mutex<Cache>) -> std::sync::MutexGuard<'_, Cache> {
     c.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Where the first chunk of `text` ends: before the first space between two ASCII letters
+/// at or past [`CHUNK_BYTES`], if there is one.
+fn next_cut(text: &str) -> Option<usize> {
+    let b = text.as_bytes();
+    let mut i = CHUNK_BYTES.max(1);
+    while i + 1 < b.len() {
+        let at = i + memchr::memchr(b' ', &b[i..b.len() - 1])?;
+        if b[at - 1].is_ascii_alphabetic() && b[at + 1].is_ascii_alphabetic() {
+            return Some(at);
+        }
+        i = at + 1;
+    }
+    None
+}
+
+/// Whether `word| word` is a pre-token boundary for this tokenizer (module docs).
+fn chunk_safe(tok: &Tokenizer) -> Result<(), String> {
+    use serde_json::Value;
+    let normalizer = match tok.get_normalizer() {
+        Some(n) => serde_json::to_value(n).map_err(|e| e.to_string())?,
+        None => Value::Null,
+    };
+    // Unicode normal forms leave ASCII as it is and never compose across an ASCII space.
+    let forms = ["NFC", "NFD", "NFKC", "NFKD"];
+    if !(normalizer.is_null() || forms.iter().any(|f| normalizer["type"] == *f)) {
+        return Err(format!("normalizer {}", normalizer["type"]));
+    }
+    let pre = match tok.get_pre_tokenizer() {
+        Some(p) => serde_json::to_value(p).map_err(|e| e.to_string())?,
+        None => return Err("no pre-tokenizer".into()),
+    };
+    let byte_level = |v: &Value, regex: bool| v["type"] == "ByteLevel" && v["use_regex"] == regex;
+    if byte_level(&pre, true) {
+        return Ok(());
+    }
+    if let (Some("Sequence"), Some([split, bytes])) =
+        (pre["type"].as_str(), pre["pretokenizers"].as_array().map(Vec::as_slice))
+    {
+        let pattern = split["pattern"]["Regex"].as_str().unwrap_or("");
+        if split["type"] == "Split"
+            && split["behavior"] == "Isolated"
+            && split["invert"] == false
+            && CHUNK_SAFE_SPLITS.contains(&pattern)
+            && byte_level(bytes, false)
+        {
+            return Ok(());
+        }
+    }
+    Err("a pre-tokenizer not known to split at word| word".into())
 }
 
 fn encode_plain(tok: &Tokenizer, text: &str) -> Result<Vec<u32>, String> {

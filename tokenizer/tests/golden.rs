@@ -2,26 +2,12 @@
 //! rules (`tests/vectors/tokenizer/generate.py`), on the real Qwen3 tokenizer that
 //! `scripts/fetch-tokenizer.sh` fetches (scripts/test.sh runs it first).
 
+mod common;
+
+use common::{qwen3_dir, root};
 use kvroute_tokenizer::model::ModelSpec;
 use kvroute_tokenizer::stage::{Endpoint, Stage};
 use serde_json::Value;
-use std::path::PathBuf;
-
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
-pub fn qwen3_dir() -> PathBuf {
-    let dir = std::env::var_os("KVROUTE_TEST_TOKENIZER")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| root().join("target/tokenizers/qwen3"));
-    assert!(
-        dir.join("tokenizer.json").exists(),
-        "{} has no tokenizer.json: run scripts/fetch-tokenizer.sh",
-        dir.display()
-    );
-    dir
-}
 
 #[test]
 fn every_golden_request_tokenizes_as_vllm_does() {

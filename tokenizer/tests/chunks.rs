@@ -1,0 +1,114 @@
+//! Long texts cut into chunks (`segments`) tokenize exactly as whole texts, on the real
+//! Qwen3 tokenizer, and a shared prefix is served from the cache.
+
+mod common;
+
+use kvroute_tokenizer::model::{Model, ModelSpec};
+use kvroute_tokenizer::segments::CHUNK_BYTES;
+
+fn qwen3(cache_bytes: usize) -> Model {
+    Model::load(&ModelSpec {
+        name: "qwen3".into(),
+        path: common::qwen3_dir(),
+        max_model_len: Some(1 << 20),
+        loras: Vec::new(),
+        chat_template: None,
+        cache_bytes,
+    })
+    .unwrap()
+}
+
+/// xorshift: the same texts every run.
+struct Rng(u64);
+
+impl Rng {
+    fn below(&mut self, n: usize) -> usize {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        (self.0 % n as u64) as usize
+    }
+}
+
+/// Text of every kind of pre-token, cut points and near misses alike: words after one or
+/// two spaces, contractions, digits, punctuation, newlines, tabs, capitals, accents as
+/// combining marks, non-Latin letters, added tokens.
+fn text(rng: &mut Rng, bytes: usize) -> String {
+    const PIECES: [&str; 24] = [
+        " the",
+        " word",
+        " Word",
+        "'s",
+        "'LL",
+        " don't",
+        " 1234",
+        "5",
+        ", ",
+        ".",
+        "!\n",
+        "\n\n",
+        "  ",
+        "\t",
+        " cafe\u{0301}",
+        "\u{0301}",
+        " naïve",
+        " Ωmega",
+        "日本語",
+        " x",
+        "y",
+        " <|im_end|>",
+        "<think>",
+        "-",
+    ];
+    let mut s = String::new();
+    while s.len() < bytes {
+        s.push_str(PIECES[rng.below(PIECES.len())]);
+    }
+    s
+}
+
+#[test]
+fn chunked_texts_tokenize_as_whole_texts() {
+    let model = qwen3(64 << 20);
+    assert!(model.chunked(), "Qwen3's tokenizer should be cut into chunks");
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    let mut differ = Vec::new();
+    for i in 0..300 {
+        let t = text(&mut rng, CHUNK_BYTES * (1 + i % 12));
+        // Twice: the second time from cached chunks.
+        for pass in 0..2 {
+            let got = model.encode_unbounded(&t, false).unwrap();
+            let want = model.tokenizer().encode_fast(t.as_str(), false).unwrap().get_ids().to_vec();
+            if got != want {
+                differ.push(format!("pass {pass}: {t:?}"));
+            }
+        }
+    }
+    assert!(differ.is_empty(), "{} texts tokenize differently in chunks:\n{}", differ.len(), differ[0]);
+}
+
+#[test]
+fn a_shared_prefix_is_looked_up_not_tokenized_again() {
+    let model = qwen3(64 << 20);
+    let prefix = " plain words of a long system prompt".repeat(300);
+    let first = format!("{prefix} and a first question");
+    let second = format!("{prefix} then another one entirely");
+    let want = model.tokenizer().encode_fast(second.as_str(), false).unwrap().get_ids().to_vec();
+    model.encode_unbounded(&first, false).unwrap();
+    let before = model.cache_stats();
+    assert_eq!(model.encode_unbounded(&second, false).unwrap(), want);
+    let after = model.cache_stats();
+    let chunks = prefix.len() / CHUNK_BYTES;
+    // Every chunk before the one where the texts part is a hit; at most two are new.
+    assert!(after.hits - before.hits >= chunks as u64 - 1, "{before:?} -> {after:?}, {chunks} chunks");
+    assert!(after.misses - before.misses <= 2, "{before:?} -> {after:?}");
+}
+
+#[test]
+fn no_cache_tokenizes_the_same() {
+    let model = qwen3(0);
+    let t = text(&mut Rng(7), 8 * CHUNK_BYTES);
+    let want = model.tokenizer().encode_fast(t.as_str(), false).unwrap().get_ids().to_vec();
+    assert_eq!(model.encode_unbounded(&t, false).unwrap(), want);
+    assert_eq!(model.cache_stats().entries, 0);
+}
