@@ -22,7 +22,6 @@ Where it differs from a kvroute-fleet engine:
 
     python3 benches/dynamo_fleet.py --smoke    # 2 mockers, kvroute's sidecar on their events
 """
-import argparse
 import json
 import pathlib
 import sys
@@ -35,7 +34,7 @@ sys.path.insert(0, str(ROOT / "benches"))
 from harness import Processes, Sidecar, free_port, ready_or_stop, wait_for  # noqa: E402
 from harness.procs import prometheus  # noqa: E402
 from dynamo_peer import (BLOCK_SIZE, MODEL, Deployment, frontend_cmd, frontend_env, install, model_dir,  # noqa: E402
-                         registered_workers, serves_model)
+                         registered_workers, serves_model, smoke_main)
 
 
 def mocker_cmd(python, blocks, speedup, *extra):
@@ -204,9 +203,4 @@ def smoke():
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--smoke", action="store_true", help="run the end-to-end smoke test")
-    if not ap.parse_args().smoke:
-        ap.print_help()
-        sys.exit(2)
-    sys.exit(smoke())
+    smoke_main(__doc__, smoke)

@@ -95,17 +95,21 @@ def dynamo_env(directory):
     }
 
 
-def frontend_env(env):
-    """A frontend's environment: OpenAI clients answered as vLLM answers them."""
-    return {
+def frontend_env(env, force_usage=True):
+    """A frontend's environment: OpenAI clients answered as vLLM answers them.
+    force_usage: usage (with the engine's cached tokens, which `kvroute-fleet load` reads)
+    in every stream, in a last chunk of its own with no choices, not only when the client
+    asks with stream_options; off for a client that reads no usage and trips on that
+    chunk (SGLang's bench_serving 0.4.6)."""
+    out = {
         **env,
         # `kvroute-fleet load` asks for vLLM's return_token_ids, which Dynamo refuses (400)
         # unless told to ignore the fields it does not support.
         "DYN_IGNORE_OPENAI_FE_UNSUPPORTED_FIELDS": "1",
-        # Usage (with the engine's cached tokens) in every stream, as vLLM sends it, not
-        # only when the client asks with stream_options.
-        "DYN_ENABLE_FORCE_INCLUDE_USAGE": "1",
     }
+    if force_usage:
+        out["DYN_ENABLE_FORCE_INCLUDE_USAGE"] = "1"
+    return out
 
 
 def frontend_cmd(python, port, router_mode, *extra):
@@ -191,14 +195,14 @@ class DynamoRouter(Deployment):
     front of each engine. `workers` maps each Dynamo worker id (what the router and a
     response's nvext.worker_id name) to its engine's id (host:port)."""
 
-    def __init__(self, engines, port, timeout=120):
+    def __init__(self, engines, port, force_usage=True, timeout=120):
         python = str(install() / "bin" / "python")
         model = model_dir()
         self.port = port
         t0 = time.time()
         env = self._start("dynamo")
         self._add("dynamo-frontend", frontend_cmd(python, port, "kv", "--kv-cache-block-size", str(BLOCK_SIZE)),
-                  frontend_env(env))
+                  frontend_env(env, force_usage))
         id_files = {}
         for i, e in enumerate(engines):
             id_file = os.path.join(self.dir, f"worker-{i}.id")
@@ -309,10 +313,15 @@ def smoke():
     return 0 if ok else 1
 
 
-if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def smoke_main(doc, smoke_test):
+    """A script whose one command is `--smoke`: runs smoke_test(), exits with its status."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="run the end-to-end smoke test")
     if not ap.parse_args().smoke:
         ap.print_help()
         sys.exit(2)
-    sys.exit(smoke())
+    sys.exit(smoke_test())
+
+
+if __name__ == "__main__":
+    smoke_main(__doc__, smoke)

@@ -122,8 +122,32 @@ class Peer(Service):
                                                  self.logs, 60))
 
 
-def markdown(results):
-    """One table per workload: the routing-quality columns, then the router's cost."""
+def versus(results, line="kvroute_w1"):
+    """One row per workload: `line` against the best peer (every line that is not
+    kvroute's) in hit rate, TTFT p50 and p99, and router CPU."""
+    rows = ["| workload | hit rate | best peer | TTFT p50 | best peer | TTFT p99 | best peer | CPU ms/req | least peer |",
+            "|---|---:|---|---:|---|---:|---|---:|---|"]
+    for w in dict.fromkeys(r["workload"] for r in results):
+        rs = [r for r in results if r["workload"] == w]
+        ours = next((r for r in rs if r["policy"] == line), None)
+        peers = [r for r in rs if r["router"] != "kvroute"]
+        if not ours or not peers:
+            continue
+
+        def ms(r, p):
+            return r["ttft_ms"][p] * r["speedup"]
+        hit = max(peers, key=lambda r: r["hit_rate"])
+        p50, p99 = (min(peers, key=lambda r: ms(r, p)) for p in ("p50", "p99"))
+        cpu = min(peers, key=lambda r: r["router_cpu_ms_per_request"])
+        rows.append(f"| {w} | {ours['hit_rate']:.2f} | {hit['hit_rate']:.2f} {hit['policy']} | {ms(ours, 'p50'):.0f} | "
+                    f"{ms(p50, 'p50'):.0f} {p50['policy']} | {ms(ours, 'p99'):.0f} | {ms(p99, 'p99'):.0f} {p99['policy']} | "
+                    f"{ours['router_cpu_ms_per_request']:.1f} | {cpu['router_cpu_ms_per_request']:.1f} {cpu['policy']} |")
+    return "\n".join(rows)
+
+
+def markdown(results, failed=()):
+    """One table per workload: the routing-quality columns, then the router's cost; then
+    the lines that failed, and why."""
     lines = []
     for w in dict.fromkeys(r["workload"] for r in results):
         rs = [r for r in results if r["workload"] == w]
@@ -140,6 +164,8 @@ def markdown(results):
                          f"{t['p50'] * s:.0f} | {t['p90'] * s:.0f} | {t['p99'] * s:.0f} | {e['p50'] * s:.0f} | "
                          f"{e['p99'] * s:.0f} | {r['throughput_rps'] / s:.1f} | {busy} | {r['failed']} | "
                          f"{r['router_cpu_ms_per_request']:.2f} | {r['router_peak_rss_mb']:.0f} |")
+    for f in failed:
+        lines.append(f"\n{f['workload']} {f['line']}: failed, {f['reason'][-500:]}")
     return "\n".join(lines)
 
 
@@ -186,13 +212,13 @@ def drive(args, target, label, wname, wargs, engines, out):
     (no samples, no oracle: the client's prompts are its own)."""
     if args.client != "fleet_load":
         before = clients.engine_counters(engines)
-        r = clients.run(args.client, target, MODEL, TOKENIZER_DIR, clients.SharedPrefix.from_load_args(wargs), 7,
+        r = clients.run(args.client, target, MODEL, TOKENIZER_DIR, clients.SharedPrefix.from_load_args(wargs), args.seed,
                         out / "clients" / f"{wname}.{label}")
         r.update(clients.engine_delta(before, clients.engine_counters(engines)))
         r["oracle_hit_rate"] = None
         return r, None
     path = out / f"{wname}.{label}.json"
-    cmd = [str(FLEET), "load", "--target", target, "--label", label, "--seed", "7", "--json", str(path), "--quiet",
+    cmd = [str(FLEET), "load", "--target", target, "--label", label, "--seed", str(args.seed), "--json", str(path), "--quiet",
            "--send", "text", "--tokenizer", str(TOKENIZER_DIR), "--model", MODEL, *wargs]
     if args.sim == "fleet":
         # Busy time and cache counters from the engines' own metrics.
@@ -219,6 +245,7 @@ def main():
     ap.add_argument("--client", choices=("fleet_load", "bench_serving", "aiperf"), default="fleet_load",
                     help="what sends the requests: kvroute-fleet load, or a real client (benches/clients.py; "
                          "uniform shared-prefix workloads only, on the fleet)")
+    ap.add_argument("--seed", type=int, default=7, help="the workload's requests and arrival times")
     ap.add_argument("--workloads", help=f"comma-separated (default: {WORKLOADS}; with a real client "
                                         f"{CLIENT_WORKLOADS})")
     ap.add_argument("--lines", help="comma-separated line names (default: all)")
@@ -243,83 +270,98 @@ def main():
                                  trace=str(rq.TRACE), trace_requests=2000, mooncake_blocks=8192)
     lines = rq.named(LINES, args.lines, "lines")
     procs = Processes()
-    results = []
+    results, failed = [], []
     t_start = time.time()
     fleet = Fleet(procs, args)
     try:
         port = free_port()
         for wname, level, wargs, settings in rq.workloads(wl_args):
-            speedup = settings["speedup"]
-            for label, kind, how in lines:
-                engines, sidecar, router = fleet.for_line(settings, kind, port)
-                if kind == "kvroute":
-                    # A new stage per line, as every peer is a new process: no line starts
-                    # with another's tokenizer cache.
-                    stage = procs.add(Tokenizer(models=[(MODEL, TOKENIZER_DIR, [])],
-                                                max_model_len=settings["blocks"] * 16))
-                    cfg, lp, adm = render_config(engines, sidecar.port, {"block_size": 16, **how}, listener_port=port,
-                                                 policy="kvroute",
-                                                 sync_config={"poll_timeout_ms": 5000, "stale_after_ms": 15000},
-                                                 tokenizer_port=stage.grpc_port)
-                    router = procs.add(Envoy(cfg, lp, adm, concurrency=2))
-                    wait_synced(router, sidecar)
-                    metered = [router, stage, sidecar]
-                elif kind == "dynamo":
-                    router = router or procs.add(DynamoRouter(engines, port))
-                    metered = [router]
-                else:
-                    router = procs.add(Peer(kind, how, engines, port))
-                    metered = [router]
-                cpu0 = [cpu_by_process(p) for p in metered]
-                t0 = time.time()
-                r, samples = drive(args, f"127.0.0.1:{port}", label, wname, wargs, engines, out)
-                # Per process (kvroute: Envoy, the stage, the sidecar), ms per request.
-                per_request = {}
-                for p, c0 in zip(metered, cpu0):
-                    for k, v in cpu_by_process(p).items():
-                        per_request[k] = (v - c0[k]) * 1000 / max(r["requests"], 1)
-                scored, peer_events = 0, None
-                if kind == "dynamo":
-                    # The engines' (the mockers') KV events Dynamo's router applied, by status.
-                    peer_events = events_applied(port)
-                if kind == "kvroute":
-                    wait_for(lambda: router.stat("kvroute.requests") >= r["requests"], what="the filters' counters")
-                    scored = router.stat("kvroute.scored")
-                r.update({"workload": wname, "load": level, "policy": label, "router": kind, "sim": args.sim,
-                          "wall_s": round(time.time() - t0, 1), "speedup": speedup,
-                          "router_cpu_ms_per_request": round(
-                              sum(v for k, v in per_request.items() if k not in NOT_ROUTER), 3),
-                          "router_cpu_ms_per_request_by_process": {k: round(v, 3) for k, v in per_request.items()},
-                          "router_peak_rss_mb": round(sum(p.peak_rss_mb() for p in metered), 1),
-                          "scored": scored, "peer_events_stored": peer_events})
-                for p in metered:
-                    if p is not sidecar:
-                        procs.stop(p)
+            for line in lines:
+                try:
+                    r, samples = run_line(args, procs, fleet, port, line, wname, wargs, settings, out)
+                except Exception as e:  # noqa: BLE001 (reported, and the matrix goes on)
+                    # A line that fails is reported with why, never left out.
+                    failed.append({"workload": wname, "line": line[0], "reason": f"{type(e).__name__}: {e}"[-2000:]})
+                    print(f"{wname:18} {line[0]:26} FAILED: {failed[-1]['reason'][-300:]}", flush=True)
+                    procs.stop_all()
+                    fleet.settings = None  # the next line starts a new fleet
+                    continue
+                r["load"] = level
+                results.append(r)
+                speedup = r["speedup"]
                 if samples is not None:
                     # The samples for the CDF plot, in model time.
-                    (out / f"{wname}.{label}.samples.json").write_text(json.dumps(
-                        {"label": label, "samples": [{"ok": x["ok"], "ttft_ms": x["ttft_ms"] * speedup}
-                                                     for x in samples]}))
-                results.append(r)
-                print(f"{wname:18} {label:26} hit {r['hit_rate']:.2f}/{r['oracle_hit_rate'] or 0:.2f} "
+                    (out / f"{wname}.{line[0]}.samples.json").write_text(json.dumps(
+                        {"label": line[0], "samples": [{"ok": x["ok"], "ttft_ms": x["ttft_ms"] * speedup}
+                                                       for x in samples]}))
+                print(f"{wname:18} {line[0]:26} hit {r['hit_rate']:.2f}/{r['oracle_hit_rate'] or 0:.2f} "
                       f"ttft p50 {r['ttft_ms']['p50'] * speedup:7.0f} p99 {r['ttft_ms']['p99'] * speedup:7.0f} ms "
                       f"cpu {r['router_cpu_ms_per_request']:.2f} ms/req rss {r['router_peak_rss_mb']:.0f} MB "
                       f"failed {r['failed']}", flush=True)
-            sample_files = [out / f"{wname}.{label}.samples.json" for label, *_ in lines]
-            if not all(f.exists() for f in sample_files):
-                continue  # a real client: no per-request samples
-            subprocess.run([str(FLEET), "plot", *map(str, sample_files), "--out", str(out / f"ttft-{wname}.svg"),
-                            "--title", f"TTFT, {wname}, {args.sim} (model time)"], check=True)
+            # A real client gives no per-request samples: no plot.
+            sample_files = [f for f in (out / f"{wname}.{label}.samples.json" for label, *_ in lines) if f.exists()]
+            if sample_files:
+                subprocess.run([str(FLEET), "plot", *map(str, sample_files), "--out", str(out / f"ttft-{wname}.svg"),
+                                "--title", f"TTFT, {wname}, {args.sim} (model time)"], check=True)
             for f in sample_files:  # the plot has them; results.json keeps the summaries
                 f.unlink()
     finally:
         procs.stop_all()
     (out / "results.json").write_text(json.dumps(
-        {"config": vars(args), "versions": VERSIONS, "wall_s": round(time.time() - t_start), "runs": results},
-        indent=1))
-    (out / "tables.md").write_text(markdown(results))
-    print(markdown(results))
-    print(f"\n{len(results)} runs in {time.time() - t_start:.0f} s; results in {out}")
+        {"config": vars(args), "versions": VERSIONS, "wall_s": round(time.time() - t_start), "runs": results,
+         "failed": failed}, indent=1))
+    (out / "tables.md").write_text(f"kvroute_w1 against the best peer:\n\n{versus(results)}\n{markdown(results, failed)}\n")
+    print(markdown(results, failed))
+    print(f"\n{len(results)} runs, {len(failed)} failed, in {time.time() - t_start:.0f} s; results in {out}")
+
+
+def run_line(args, procs, fleet, port, line, wname, wargs, settings, out):
+    """One line on one workload: its router started in front of empty engines, the
+    workload driven through it, the router stopped. (summary, samples or None)."""
+    label, kind, how = line
+    speedup = settings["speedup"]
+    engines, sidecar, router = fleet.for_line(settings, kind, port)
+    if kind == "kvroute":
+        # A new stage per line, as every peer is a new process: no line starts with
+        # another's tokenizer cache.
+        stage = procs.add(Tokenizer(models=[(MODEL, TOKENIZER_DIR, [])], max_model_len=settings["blocks"] * 16))
+        cfg, lp, adm = render_config(engines, sidecar.port, {"block_size": 16, **how}, listener_port=port,
+                                     policy="kvroute", sync_config={"poll_timeout_ms": 5000, "stale_after_ms": 15000},
+                                     tokenizer_port=stage.grpc_port)
+        router = procs.add(Envoy(cfg, lp, adm, concurrency=2))
+        wait_synced(router, sidecar)
+        metered = [router, stage, sidecar]
+    elif kind == "dynamo":
+        router = router or procs.add(DynamoRouter(engines, port, force_usage=args.client == "fleet_load"))
+        metered = [router]
+    else:
+        router = procs.add(Peer(kind, how, engines, port))
+        metered = [router]
+    cpu0 = [cpu_by_process(p) for p in metered]
+    t0 = time.time()
+    r, samples = drive(args, f"127.0.0.1:{port}", label, wname, wargs, engines, out)
+    # Per process (kvroute: Envoy, the stage, the sidecar), ms per request.
+    per_request = {}
+    for p, c0 in zip(metered, cpu0):
+        for k, v in cpu_by_process(p).items():
+            per_request[k] = (v - c0[k]) * 1000 / max(r["requests"], 1)
+    scored, peer_events = 0, None
+    if kind == "dynamo":
+        # The engines' (the mockers') KV events Dynamo's router applied, by status.
+        peer_events = events_applied(port)
+    if kind == "kvroute":
+        wait_for(lambda: router.stat("kvroute.requests") >= r["requests"], what="the filters' counters")
+        scored = router.stat("kvroute.scored")
+    r.update({"workload": wname, "policy": label, "router": kind, "sim": args.sim, "client": args.client,
+              "wall_s": round(time.time() - t0, 1), "speedup": speedup,
+              "router_cpu_ms_per_request": round(sum(v for k, v in per_request.items() if k not in NOT_ROUTER), 3),
+              "router_cpu_ms_per_request_by_process": {k: round(v, 3) for k, v in per_request.items()},
+              "router_peak_rss_mb": round(sum(p.peak_rss_mb() for p in metered), 1),
+              "scored": scored, "peer_events_stored": peer_events})
+    for p in metered:
+        if p is not sidecar:
+            procs.stop(p)
+    return r, samples
 
 
 if __name__ == "__main__":

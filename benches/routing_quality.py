@@ -16,7 +16,8 @@ Policies:
 
 Workloads (each run on a freshly reset fleet): shared prefix (uniform) at light, ~70% and
 ~100% of the fleet's prefill capacity; shared prefix with Zipf popularity, multi-turn chat,
-the Mooncake trace and a burst workload at ~70%. "Capacity" is the fleet's rate of
+an agentic loop (agents sharing a system prompt, each growing its own history), the
+Mooncake trace and a burst workload at ~70%. "Capacity" is the fleet's rate of
 uncached prefills for the workload's prompts (no cache at all): load levels are the same
 offered load for every policy. One Zipf workload (zipf_busy) is loaded instead to ~70% of
 what the fleet can serve at the oracle's hit rate: the load at which pinning a hot prefix
