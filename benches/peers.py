@@ -290,21 +290,13 @@ def main():
                 results.append(r)
                 speedup = r["speedup"]
                 if samples is not None:
-                    # The samples for the CDF plot, in model time.
-                    (out / f"{wname}.{line[0]}.samples.json").write_text(json.dumps(
-                        {"label": line[0], "samples": [{"ok": x["ok"], "ttft_ms": x["ttft_ms"] * speedup}
-                                                       for x in samples]}))
+                    rq.save_samples(out, wname, line[0], samples, speedup)
                 print(f"{wname:18} {line[0]:26} hit {r['hit_rate']:.2f}/{r['oracle_hit_rate'] or 0:.2f} "
                       f"ttft p50 {r['ttft_ms']['p50'] * speedup:7.0f} p99 {r['ttft_ms']['p99'] * speedup:7.0f} ms "
                       f"cpu {r['router_cpu_ms_per_request']:.2f} ms/req rss {r['router_peak_rss_mb']:.0f} MB "
                       f"failed {r['failed']}", flush=True)
-            # A real client gives no per-request samples: no plot.
-            sample_files = [f for f in (out / f"{wname}.{label}.samples.json" for label, *_ in lines) if f.exists()]
-            if sample_files:
-                subprocess.run([str(FLEET), "plot", *map(str, sample_files), "--out", str(out / f"ttft-{wname}.svg"),
-                                "--title", f"TTFT, {wname}, {args.sim} (model time)"], check=True)
-            for f in sample_files:  # the plot has them; results.json keeps the summaries
-                f.unlink()
+            # (A real client gives no per-request samples: no plot.)
+            rq.plot_ttft(out, wname, [label for label, *_ in lines], f"TTFT, {wname}, {args.sim} (model time)")
     finally:
         procs.stop_all()
     (out / "results.json").write_text(json.dumps(

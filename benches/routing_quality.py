@@ -191,6 +191,23 @@ def wall_clock(load_args, speedup):
     return a
 
 
+def save_samples(out, wname, label, samples, speedup):
+    """A run's TTFTs (model time) kept for the workload's CDF plot (plot_ttft)."""
+    (out / f"{wname}.{label}.samples.json").write_text(json.dumps(
+        {"label": label, "samples": [{"ok": s["ok"], "ttft_ms": s["ttft_ms"] * speedup} for s in samples]}))
+
+
+def plot_ttft(out, wname, labels, title):
+    """ttft-<workload>.svg: the TTFT CDFs of the runs of `labels` that saved samples; the
+    sample files go (results.json keeps the summaries)."""
+    files = [f for f in (out / f"{wname}.{label}.samples.json" for label in labels) if f.exists()]
+    if files:
+        subprocess.run([str(FLEET), "plot", *map(str, files), "--out", str(out / f"ttft-{wname}.svg"),
+                        "--title", title], check=True)
+    for f in files:
+        f.unlink()
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workers", type=int, default=8)
@@ -277,15 +294,9 @@ def main():
                 print(f"{wname:18} {label:26} hit {r['hit_rate']:.2f}/{r['oracle_hit_rate']:.2f} "
                       f"ttft p50 {r['ttft_ms']['p50'] * speedup:7.0f} p99 {r['ttft_ms']['p99'] * speedup:7.0f} ms "
                       f"failed {r['failed']}", flush=True)
-                # Keep the samples for the CDF plot.
-                (out / f"{wname}.{label}.samples.json").write_text(json.dumps(
-                    {"label": label, "samples": [{"ok": s["ok"], "ttft_ms": s["ttft_ms"] * speedup} for s in samples]}))
+                save_samples(out, wname, label, samples, speedup)
                 path.unlink()
-            sample_files = [out / f"{wname}.{p[0]}.samples.json" for p in chosen]
-            subprocess.run([str(FLEET), "plot", *map(str, sample_files), "--out", str(out / f"ttft-{wname}.svg"),
-                            "--title", f"TTFT, {wname} (model time)"], check=True)
-            for f in sample_files:  # the plot has them; results.json keeps the summaries
-                f.unlink()
+            plot_ttft(out, wname, [p[0] for p in chosen], f"TTFT, {wname} (model time)")
     finally:
         procs.stop_all()
     # Runs of other workloads from an earlier invocation are kept.
