@@ -60,11 +60,14 @@ fn ranking(c: &mut Criterion) {
                 offloaded_hits: 0,
                 active_blocks: (s as u32 * 13) % 500,
                 pending_prefill: (s as u32 * 5) % 200,
+                wait: (s as u32 * 11) % 300,
+                own_prefill: (s as u32 * 3) % 100,
                 worker_key: worker_key(&format!("10.0.{}.{}:8000", s / 250, s % 250)),
             })
             .collect();
         let mut out = Vec::new();
-        let weights = Weights { overlap: 1.0, prefill_load: 1.0, offload_hit_credit: 0.5 };
+        let weights =
+            Weights { overlap: 1.0, prefill_load: 1.0, offload_hit_credit: 0.5, wait_slack_per_hit: Some(0.5) };
         g.bench_with_input(BenchmarkId::new("workers", workers), &cands, |b, cands| {
             b.iter(|| rank(black_box(cands), weights, 128, 42, &mut out))
         });

@@ -83,6 +83,18 @@ VERSIONS = {**PINS, "dynamo": " ".join(DYNAMO_PINS)}
 NOT_ROUTER = {"workers"}
 
 
+def kvroute_line(spec):
+    """A `--kvroute LABEL=JSON` line: kvroute with those filter settings."""
+    label, sep, settings = spec.partition("=")
+    try:
+        config = json.loads(settings) if sep else None
+    except json.JSONDecodeError as e:
+        sys.exit(f"--kvroute {spec}: {e}")
+    if not label or not isinstance(config, dict):
+        sys.exit(f"--kvroute {spec}: want LABEL={{filter settings as a JSON object}}")
+    return (label, "kvroute", config)
+
+
 def install(package):
     """The peer's virtualenv, created and the pinned package installed on first use."""
     venv = PEERS / package
@@ -226,7 +238,12 @@ def drive(args, target, label, wname, wargs, engines, out):
             cmd += ["--engine", e.id]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     r = json.loads(path.read_text())
-    path.unlink()
+    if args.keep_samples:
+        # Every request (worker, cached tokens, send time, TTFT) for tail analysis.
+        (out / "samples").mkdir(exist_ok=True)
+        path.rename(out / "samples" / path.name)
+    else:
+        path.unlink()
     return r, r.pop("samples")
 
 
@@ -249,6 +266,11 @@ def main():
     ap.add_argument("--workloads", help=f"comma-separated (default: {WORKLOADS}; with a real client "
                                         f"{CLIENT_WORKLOADS})")
     ap.add_argument("--lines", help="comma-separated line names (default: all)")
+    ap.add_argument("--kvroute", action="append", default=[], metavar="LABEL=JSON",
+                    help='another kvroute line: its label and filter settings, e.g. '
+                         '\'kvroute_w2={"overlap_weight": 2}\' (repeatable; runs unless --lines leaves it out)')
+    ap.add_argument("--keep-samples", action="store_true",
+                    help="keep every run's per-request samples in <out>/samples/<workload>.<line>.json")
     ap.add_argument("--out", help="results folder (default: target/peers-results[-mocker])")
     args = ap.parse_args()
     args.speedup = args.speedup or (2.0 if args.sim == "fleet" else 0.1)
@@ -268,7 +290,7 @@ def main():
     wl_args = argparse.Namespace(workers=args.workers, groups=args.groups, per_group=args.per_group,
                                  blocks=args.blocks, speedup=args.speedup, quick=False, workloads=args.workloads,
                                  trace=str(rq.TRACE), trace_requests=2000, mooncake_blocks=8192)
-    lines = rq.named(LINES, args.lines, "lines")
+    lines = rq.named(LINES + [kvroute_line(spec) for spec in args.kvroute], args.lines, "lines")
     procs = Processes()
     results, failed = [], []
     t_start = time.time()

@@ -12,6 +12,7 @@ Policies:
                                        the specification's formula read literally: active_blocks
                                        as they are, no prefill term (kvroute before both)
   kvroute_w1_nopredict                 kvroute at weight 1, predict-on-route off
+  kvroute_w1_nolimit                   kvroute at weight 1 without the wait limit
   kvroute_w1_p<x>                      with --prefill-sweep: weight 1, prefill_load_weight x
 
 Workloads (each run on a freshly reset fleet): shared prefix (uniform) at light, ~70% and
@@ -74,7 +75,7 @@ def cached_capacity(workers, uncached_tokens, output_tokens):
     return workers * 1000.0 / per_request_ms
 
 
-LITERAL = {"active_blocks": "in_flight", "prefill_load_weight": 0.0}
+LITERAL = {"active_blocks": "in_flight", "prefill_load_weight": 0.0, "wait_slack_per_hit": None}
 
 
 def policies(tuned, prefill_sweep=()):
@@ -90,6 +91,7 @@ def policies(tuned, prefill_sweep=()):
         ("kvroute_w1_literal", "kvroute", {"overlap_weight": 1.0, **LITERAL}),
         (f"kvroute_w{t}_literal", "kvroute", {"overlap_weight": tuned, **LITERAL}),
         ("kvroute_w1_nopredict", "kvroute", {"overlap_weight": 1.0, "predict_on_route": False}),
+        ("kvroute_w1_nolimit", "kvroute", {"overlap_weight": 1.0, "wait_slack_per_hit": None}),
     ] + [(f"kvroute_w1_p{p:g}", "kvroute", {"overlap_weight": 1.0, "prefill_load_weight": p}) for p in prefill_sweep]
 
 
@@ -332,7 +334,8 @@ def hit_rate_svg(results):
     """Hit rate against offered load, one line per policy (shared prefix, uniform)."""
     rs = [r for r in results if r["workload"].startswith("shared_prefix_")]
     pols = list(dict.fromkeys(r["policy"] for r in rs))
-    colors = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f"]
+    colors = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
+              "#17becf", "#000000", "#aec7e8"]
     w, h, l, b, t = 640, 380, 60, 50, 30
     x = lambda v: l + v / 1.0 * (w - l - 200)  # noqa: E731
     y = lambda v: h - b - v * (h - b - t)  # noqa: E731

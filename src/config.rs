@@ -79,6 +79,7 @@ struct RawFilterConfig {
     offload_hit_credit: f64,
     active_blocks: ActiveBlocks,
     prefill_load_weight: f64,
+    wait_slack_per_hit: Option<f64>,
 }
 
 impl Default for RawFilterConfig {
@@ -105,6 +106,7 @@ impl Default for RawFilterConfig {
             offload_hit_credit: DEFAULT_OFFLOAD_HIT_CREDIT,
             active_blocks: ActiveBlocks::Potential,
             prefill_load_weight: DEFAULT_PREFILL_LOAD_WEIGHT,
+            wait_slack_per_hit: Some(DEFAULT_WAIT_SLACK_PER_HIT),
         }
     }
 }
@@ -150,6 +152,9 @@ pub struct FilterConfig {
     /// Weight of a worker's outstanding prefill (uncached prompt blocks of requests routed
     /// there whose first response bytes have not come back) in the cost.
     pub prefill_load_weight: f64,
+    /// The wait limit ([`crate::score`]): the blocks of extra prefill queueing each cache hit
+    /// may buy against the least-waiting worker. `None`: no limit.
+    pub wait_slack_per_hit: Option<f64>,
 }
 
 /// Loading a block back from CPU memory is several times cheaper than recomputing it but
@@ -158,6 +163,9 @@ pub const DEFAULT_OFFLOAD_HIT_CREDIT: f64 = 0.5;
 
 /// Chosen by the routing-quality benchmark (docs/benchmarks.md).
 pub const DEFAULT_PREFILL_LOAD_WEIGHT: f64 = 1.0;
+
+/// Chosen by the head-to-head benchmark (docs/benchmarks.md).
+pub const DEFAULT_WAIT_SLACK_PER_HIT: f64 = 0.5;
 
 fn header_name(key: &str, v: &str) -> Result<String, ConfigError> {
     let ok = !v.is_empty() && v.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_');
@@ -192,6 +200,7 @@ impl FilterConfig {
             return Err(bad("inflight_lease_ms", "must be at least 1000"));
         }
         let prefill_load_weight = weight("prefill_load_weight", raw.prefill_load_weight)?;
+        let wait_slack_per_hit = raw.wait_slack_per_hit.map(|v| weight("wait_slack_per_hit", v)).transpose()?;
         let overlap_weight = weight("overlap_weight", raw.overlap_weight)?;
         let prefill = match raw.prefill_overlap_weight {
             Some(v) => weight("prefill_overlap_weight", v)?,
@@ -250,6 +259,7 @@ impl FilterConfig {
             },
             active_blocks: raw.active_blocks,
             prefill_load_weight,
+            wait_slack_per_hit,
         })
     }
 
@@ -370,6 +380,9 @@ mod tests {
         assert_eq!(c.lora_header.as_deref(), Some("x-kvroute-lora"));
         let off = FilterConfig::from_json(br#"{"lora_header": null, "cache_salt_header": null}"#).unwrap();
         assert_eq!((off.lora_header, off.cache_salt_header), (None, None));
+        assert_eq!(c.wait_slack_per_hit, Some(DEFAULT_WAIT_SLACK_PER_HIT));
+        let unlimited = FilterConfig::from_json(br#"{"wait_slack_per_hit": null}"#).unwrap();
+        assert_eq!(unlimited.wait_slack_per_hit, None);
         let s = SyncConfig::from_json(b" ").unwrap();
         assert_eq!(s.n_buckets, crate::layout::DEFAULT_BUCKETS);
     }
@@ -401,6 +414,8 @@ mod tests {
             (r#"{"offload_hit_credit": -0.1}"#, "offload_hit_credit"),
             (r#"{"prefill_load_weight": -2}"#, "prefill_load_weight"),
             (r#"{"prefill_load_weight": null}"#, "invalid type"),
+            (r#"{"wait_slack_per_hit": -0.5}"#, "wait_slack_per_hit"),
+            (r#"{"wait_slack_per_hit": "some"}"#, "invalid type"),
             (r#"{"active_blocks": "current"}"#, "unknown variant"),
             (r#"[1]"#, "invalid"),
             (r#"{"#, "invalid"),

@@ -127,11 +127,13 @@ pub struct Decision {
     /// Updates abandoned after 16 compare-and-swap conflicts in a row, or a store error.
     pub update_failures: u32,
     pub shared_reads: u32,
+    /// The wait limit passed over the cheapest worker (`wait_slack_per_hit`).
+    pub spilled: bool,
 }
 
 impl Decision {
-    /// `worker=…;hits=…;blocks=…;cost=…[;offloaded=…][;prefill=…][;fallback=…]` for the
-    /// debug response header.
+    /// `worker=…;hits=…;blocks=…;cost=…[;offloaded=…][;prefill=…][;spilled=1][;fallback=…]`
+    /// for the debug response header.
     pub fn debug_value(&self) -> String {
         let mut s = String::new();
         let worker = self.destinations.first().map(String::as_str).unwrap_or("-");
@@ -141,6 +143,9 @@ impl Decision {
         }
         if let Some(p) = &self.prefiller {
             let _ = write!(s, ";prefill={p}");
+        }
+        if self.spilled {
+            s.push_str(";spilled=1");
         }
         if let Some(f) = self.fallback {
             let _ = write!(s, ";fallback={}", f.name());
@@ -280,7 +285,7 @@ impl Router {
             if prefill_set.is_empty() {
                 d.fallback.get_or_insert(Fallback::NoPrefillWorker);
             } else {
-                self.rank_set(&request, &prefill_set, self.cfg.prefill_overlap_weight, true);
+                d.spilled |= self.rank_set(&request, &prefill_set, self.cfg.prefill_overlap_weight, true);
                 if let Some(best) = self.scored.first() {
                     d.prefiller = Some(table.slots[best.candidate.slot].id.clone());
                     chosen.push(best.candidate.slot as u16);
@@ -292,7 +297,7 @@ impl Router {
             Mode::Pd => self.cfg.decode_overlap_weight,
         };
         // A decode worker fed by a prefill worker computes none of the prompt.
-        self.rank_set(&request, &decode_set, weight, d.prefiller.is_none());
+        d.spilled |= self.rank_set(&request, &decode_set, weight, d.prefiller.is_none());
         for s in self.scored.iter().take(self.cfg.max_endpoints) {
             d.destinations.push(table.slots[s.candidate.slot].id.clone());
         }
@@ -313,7 +318,7 @@ impl Router {
                 let slot = usize::from(slot);
                 let blocks = own_prefill(&scan, slot, d.request_blocks);
                 let charge = PrefillChange { slot, epoch, blocks: i64::from(blocks) };
-                (self.cfg.prefill_load_weight > 0.0 && blocks > 0).then_some(charge)
+                (self.tracks_prefill() && blocks > 0).then_some(charge)
             });
             chosen.sort_unstable();
             d.held = self.acquire(store, &mut d, &hashes, table.n_buckets, chosen, prefill, scanned, load, now_ms);
@@ -324,7 +329,13 @@ impl Router {
     /// Whether routing reads which of a request's blocks are in flight on each worker:
     /// for potential load, and to credit a sibling's prefill.
     fn reads_in_flight(&self) -> bool {
-        self.cfg.active_blocks == ActiveBlocks::Potential || self.cfg.prefill_load_weight > 0.0
+        self.cfg.active_blocks == ActiveBlocks::Potential || self.tracks_prefill()
+    }
+
+    /// Whether routing charges each worker its outstanding prefill: read by the prefill
+    /// term and by the wait limit.
+    fn tracks_prefill(&self) -> bool {
+        self.cfg.prefill_load_weight > 0.0 || self.cfg.wait_slack_per_hit.is_some()
     }
 
     /// The request's block hashes, or none with the reason in `d.fallback`.
@@ -388,8 +399,9 @@ impl Router {
     }
 
     /// Scores the slots of `set` into `self.scored`, best first. `prefills`: the chosen
-    /// worker will compute the request's prefill.
-    fn rank_set(&mut self, r: &Request<'_>, set: &SlotSet, weight: f64, prefills: bool) {
+    /// worker will compute the request's prefill. Returns whether the wait limit passed
+    /// over the cheapest worker.
+    fn rank_set(&mut self, r: &Request<'_>, set: &SlotSet, weight: f64, prefills: bool) -> bool {
         let potential = self.cfg.active_blocks == ActiveBlocks::Potential;
         let (scan, request_blocks) = (r.scan, r.blocks);
         self.candidates.clear();
@@ -402,13 +414,16 @@ impl Router {
             // less what siblings compute there on this request's blocks (work this request
             // needs done anyway), plus the request's own.
             let own = if prefills { own_prefill(scan, slot, request_blocks) } else { 0 };
-            let queued = r.load.pending_prefill(slot, r.epoch).saturating_sub(scan.computing(slot));
+            let outstanding = r.load.pending_prefill(slot, r.epoch);
+            let queued = outstanding.saturating_sub(scan.computing(slot));
             self.candidates.push(Candidate {
                 slot,
                 cache_hits: of(&scan.hits),
                 offloaded_hits: of(&scan.offloaded),
                 active_blocks: r.load.get(slot).saturating_add(added),
                 pending_prefill: queued.saturating_add(own),
+                wait: outstanding.saturating_add(own),
+                own_prefill: own,
                 worker_key: r.keys.get(slot).copied().unwrap_or(0),
             });
         }
@@ -416,8 +431,11 @@ impl Router {
             overlap: weight,
             prefill_load: self.cfg.prefill_load_weight,
             offload_hit_credit: self.cfg.offload_hit_credit,
+            // Only where the chosen worker computes the prefill: a PD decode worker waits
+            // for none.
+            wait_slack_per_hit: self.cfg.wait_slack_per_hit.filter(|_| prefills),
         };
-        rank(&self.candidates, weights, request_blocks, r.key, &mut self.scored);
+        rank(&self.candidates, weights, request_blocks, r.key, &mut self.scored)
     }
 
     /// Records the request's blocks as in flight on `slots`. `scanned` and `load` are the

@@ -14,6 +14,17 @@
 //! only in an offload tier (CPU memory, disk) counts `offload_hit_credit` (< 1) of a GPU
 //! hit: loading it back is cheaper than recomputing it, not free.
 //!
+//! The wait limit (`wait_slack_per_hit`, α): the cost ranks workers by blocks, and a worker
+//! whose cache saves a request much prefill can keep winning while its queue grows, so a
+//! hot prefix's holder makes requests wait longer than a cold prefill elsewhere would
+//! take. With α set, a worker is passed over when the prefill the request waits for there
+//! (`wait(w)`: the worker's outstanding prefill, sibling work included, plus the request's
+//! own) exceeds both the least wait of any worker and the request's own prefill there by
+//! more than α × its cache hits: each hit may buy at most α blocks of queueing beyond the
+//! quickest worker's. A worker with nothing queued is never passed over: what keeps a
+//! request waiting there is its own prefill, which the cost already prices. The admissible
+//! workers come first, in cost order, then the rest (for retries), also in cost order.
+//!
 //! Ties, in order: more cache hits (a tie between locality and load goes to locality,
 //! which is cheaper in prefill), then the lowest rendezvous hash of (request key, worker)
 //! — deterministic for a given request, and spread evenly over workers across requests,
@@ -30,6 +41,11 @@ pub struct Candidate {
     pub offloaded_hits: u32,
     pub active_blocks: u32,
     pub pending_prefill: u32,
+    /// The prefill blocks the request would wait for on `w`: its outstanding prefill (a
+    /// sibling's shared blocks included: the request waits for them) plus its own.
+    pub wait: u32,
+    /// Of `wait`, the request's own: its blocks `w` neither holds nor has in flight.
+    pub own_prefill: u32,
     /// Stable hash of the worker's id, for tie-breaking (see [`worker_key`]).
     pub worker_key: u64,
 }
@@ -48,6 +64,8 @@ pub struct Weights {
     pub overlap: f64,
     pub prefill_load: f64,
     pub offload_hit_credit: f64,
+    /// α of the wait limit (module docs); `None`: the cost alone ranks.
+    pub wait_slack_per_hit: Option<f64>,
 }
 
 /// The specification's cost function.
@@ -79,8 +97,14 @@ pub fn worker_key(id: &str) -> u64 {
 /// Scores and sorts `candidates` best first into `out` (cleared first).
 /// `request_key` identifies the request for tie-breaking: its first block's hash, so
 /// requests with the same start agree, or a caller-supplied random number for requests
-/// without blocks.
-pub fn rank(candidates: &[Candidate], weights: Weights, request_blocks: u32, request_key: u64, out: &mut Vec<Scored>) {
+/// without blocks. Returns whether the wait limit passed over the cheapest worker.
+pub fn rank(
+    candidates: &[Candidate],
+    weights: Weights,
+    request_blocks: u32,
+    request_key: u64,
+    out: &mut Vec<Scored>,
+) -> bool {
     let offload_hit_credit = weights.offload_hit_credit;
     out.clear();
     out.extend(candidates.iter().map(|c| Scored {
@@ -100,6 +124,18 @@ pub fn rank(candidates: &[Candidate], weights: Weights, request_blocks: u32, req
             .then(a.tiebreak.cmp(&b.tiebreak))
             .then(a.candidate.slot.cmp(&b.candidate.slot))
     });
+    let Some(alpha) = weights.wait_slack_per_hit else { return false };
+    let Some(least) = out.iter().map(|s| s.candidate.wait).min() else { return false };
+    let admissible = |s: &Scored| {
+        let c = &s.candidate;
+        f64::from(c.wait) <= f64::from(least.max(c.own_prefill)) + alpha * c.effective_hits(offload_hit_credit)
+    };
+    if out.first().is_some_and(admissible) {
+        return false;
+    }
+    // Stable: cost order within each side.
+    out.sort_by_key(|s| !admissible(s));
+    true
 }
 
 #[cfg(test)]
@@ -115,12 +151,14 @@ mod tests {
             offloaded_hits: 0,
             active_blocks: active,
             pending_prefill: 0,
+            wait: 0,
+            own_prefill: 0,
             worker_key: worker_key(&slot.to_string()),
         }
     }
 
     fn w(overlap: f64, offload_hit_credit: f64) -> Weights {
-        Weights { overlap, prefill_load: 0.0, offload_hit_credit }
+        Weights { overlap, prefill_load: 0.0, offload_hit_credit, wait_slack_per_hit: None }
     }
 
     /// The specification's worked example: a 10-block prompt, weight 1.0.
@@ -189,11 +227,66 @@ mod tests {
         w0.pending_prefill = 40;
         let w1 = cand(1, 8, 2);
         let mut out = Vec::new();
-        let weights = Weights { overlap: 1.0, prefill_load: 0.5, offload_hit_credit: 0.5 };
+        let weights = Weights { overlap: 1.0, prefill_load: 0.5, offload_hit_credit: 0.5, wait_slack_per_hit: None };
         rank(&[w0, w1], weights, 10, 0, &mut out);
         assert_eq!((out[0].candidate.slot, out[0].cost, out[1].cost), (1, 4.0, 24.0));
         // Weight 0: the prefill term is gone, and the cost is the specification's.
         rank(&[w0, w1], Weights { prefill_load: 0.0, ..weights }, 10, 0, &mut out);
         assert_eq!((out[0].cost, out[1].cost), (cost(1.0, 10, 8, 2), cost(1.0, 10, 8, 2)));
+    }
+
+    /// A hot prefix's holder: 128 of a 192-block request cached, 300 blocks of prefill
+    /// queued. A cold idle worker would make the request wait for its 192 blocks only.
+    #[test]
+    fn the_wait_limit_passes_over_a_holder_whose_queue_outweighs_its_hits() {
+        let holder = Candidate { wait: 300 + 64, own_prefill: 64, ..cand(0, 128, 400) };
+        let cold = Candidate { wait: 192, own_prefill: 192, ..cand(1, 0, 500) };
+        let mut out = Vec::new();
+        let off = Weights { overlap: 1.0, prefill_load: 0.0, offload_hit_credit: 0.5, wait_slack_per_hit: None };
+        // The cost alone: 64 + 400 against 192 + 500, the holder.
+        assert!(!rank(&[cold, holder], off, 192, 0, &mut out));
+        assert_eq!(out[0].candidate.slot, 0);
+        // α = 1: 364 ≤ 192 + 128 is false, so the holder is passed over (and stays in the
+        // list for retries, second).
+        assert!(rank(&[cold, holder], Weights { wait_slack_per_hit: Some(1.0), ..off }, 192, 0, &mut out));
+        assert_eq!((out[0].candidate.slot, out[1].candidate.slot), (1, 0));
+        // α = 2: 364 ≤ 192 + 256: the holder's hits buy its queue.
+        assert!(!rank(&[cold, holder], Weights { wait_slack_per_hit: Some(2.0), ..off }, 192, 0, &mut out));
+        assert_eq!(out[0].candidate.slot, 0);
+        // Offloaded hits buy at their credit: 100 of the 128 offloaded at 0.5 give 78
+        // effective hits, and α = 2 no longer covers the queue (364 > 192 + 156).
+        let holder = Candidate { offloaded_hits: 100, ..holder };
+        assert!(rank(&[cold, holder], Weights { wait_slack_per_hit: Some(2.0), ..off }, 192, 0, &mut out));
+        assert_eq!(out[0].candidate.slot, 1);
+    }
+
+    /// Passed-over workers keep their cost order behind the admissible ones.
+    #[test]
+    fn the_wait_limit_keeps_cost_order_on_each_side() {
+        let mk = |slot, hits, active, wait, own_prefill| Candidate { wait, own_prefill, ..cand(slot, hits, active) };
+        // Cost order: 0 (hits 9), 1 (hits 8), 2 and 3 (no hits, nothing queued, 3 busier
+        // decoding).
+        let all = [mk(3, 0, 30, 10, 10), mk(2, 0, 20, 10, 10), mk(1, 8, 1, 40, 2), mk(0, 9, 0, 50, 1)];
+        let mut out = Vec::new();
+        let weights =
+            Weights { overlap: 1.0, prefill_load: 0.0, offload_hit_credit: 0.5, wait_slack_per_hit: Some(0.5) };
+        assert!(rank(&all, weights, 10, 0, &mut out));
+        let order: Vec<usize> = out.iter().map(|s| s.candidate.slot).collect();
+        // Admissible (wait ≤ 10 + 0.5 × hits): 2 and 3; then 0 and 1 in cost order.
+        assert_eq!(order, [2, 3, 0, 1]);
+    }
+
+    /// The cost may send a request to a cold idle worker (the holder carries too much
+    /// load): the holder's shorter wait does not make the cold worker inadmissible, since
+    /// nothing is queued there.
+    #[test]
+    fn the_wait_limit_never_passes_over_an_empty_queue() {
+        let holder = Candidate { wait: 20, own_prefill: 16, ..cand(0, 128, 2000) };
+        let cold = Candidate { wait: 144, own_prefill: 144, ..cand(1, 0, 0) };
+        let mut out = Vec::new();
+        let weights =
+            Weights { overlap: 1.0, prefill_load: 1.0, offload_hit_credit: 0.5, wait_slack_per_hit: Some(0.5) };
+        assert!(!rank(&[holder, cold], weights, 144, 0, &mut out));
+        assert_eq!(out[0].candidate.slot, 1);
     }
 }

@@ -417,32 +417,41 @@ struct Progress {
 pub async fn run(args: LoadArgs) -> Result<Value, String> {
     let before = all_metrics(&args.engines).await;
     let progress = Arc::new(Progress { done: AtomicUsize::new(0), failed: AtomicUsize::new(0) });
-    let start = Instant::now();
     let words = match &args.tokenizer {
         Some(dir) => Some(Words::load(dir)?),
         None => None,
     };
     let writer = Arc::new(Writer::new(args.form, words)?);
-    let sender = Sender {
+    // The schedule's clock starts once the tokenizer is loaded and the prompts are
+    // written: started before, every arrival due during that set-up (~0.5 s of text
+    // rendering on this machine) went out at once, a burst no workload asked for.
+    let sender = |start| Sender {
         target: args.target.clone(),
         model: args.model.clone(),
         token_header: args.token_header,
         prefix_hash_blocks: args.prefix_hash_blocks,
         start,
     };
-    let (total, samples) = match args.workload {
+    let (total, samples, start) = match args.workload {
         WorkloadKind::SharedPrefix | WorkloadKind::Mooncake => {
-            let plan = plan(&args)?;
-            let total = plan.len();
+            let written: Vec<_> = plan(&args)?
+                .into_iter()
+                .map(|p| {
+                    let c = writer.start(p.prompt, p.system_len);
+                    (p.at, p.max_tokens, p.key, c)
+                })
+                .collect();
+            let total = written.len();
+            let start = Instant::now();
+            let sender = sender(start);
             let ticker = ticker(&args, progress.clone(), total);
             let mut handles = Vec::with_capacity(total);
-            for p in plan {
+            for (at, max_tokens, key, c) in written {
                 let sender = sender.clone();
                 let progress = progress.clone();
-                let c = writer.start(p.prompt, p.system_len);
                 handles.push(tokio::spawn(async move {
-                    tokio::time::sleep_until(tokio::time::Instant::from_std(start + p.at)).await;
-                    let s = send(&sender, &c, p.max_tokens, p.key).await;
+                    tokio::time::sleep_until(tokio::time::Instant::from_std(start + at)).await;
+                    let s = send(&sender, &c, max_tokens, key).await;
                     progress.done.fetch_add(1, Ordering::Relaxed);
                     if !s.ok {
                         progress.failed.fetch_add(1, Ordering::Relaxed);
@@ -455,7 +464,7 @@ pub async fn run(args: LoadArgs) -> Result<Value, String> {
                 samples.push(h.await.map_err(|e| e.to_string())?);
             }
             ticker.abort();
-            (total, samples)
+            (total, samples, start)
         }
         WorkloadKind::Chat | WorkloadKind::Agentic => {
             let mut rng = Rng::new(args.seed);
@@ -469,18 +478,29 @@ pub async fn run(args: LoadArgs) -> Result<Value, String> {
                 output_len: args.output_len,
             };
             let total = chat.conversations * chat.turns;
-            let ticker = ticker(&args, progress.clone(), total);
             let starts = workload::poisson_times(&mut rng, chat.conversations, args.rate);
+            // First prompts written up front, like the shared-prefix plan; each next turn
+            // is written when the answer it follows is back.
+            let firsts: Vec<_> = starts
+                .into_iter()
+                .enumerate()
+                .map(|(c, at)| {
+                    let mut rng = Rng::new(args.seed ^ (c as u64 + 1).wrapping_mul(0x9E37_79B9));
+                    let conv = writer.start(chat.first_prompt(&mut rng), chat.system.len());
+                    (c, at, rng, conv)
+                })
+                .collect();
+            let start = Instant::now();
+            let sender = sender(start);
+            let ticker = ticker(&args, progress.clone(), total);
             let mut handles = Vec::new();
-            for (c, at) in starts.into_iter().enumerate() {
+            for (c, at, mut rng, mut conv) in firsts {
                 let sender = sender.clone();
                 let progress = progress.clone();
                 let chat = chat.clone();
                 let writer = writer.clone();
-                let mut rng = Rng::new(args.seed ^ (c as u64 + 1).wrapping_mul(0x9E37_79B9));
                 handles.push(tokio::spawn(async move {
                     tokio::time::sleep_until(tokio::time::Instant::from_std(start + at)).await;
-                    let mut conv = writer.start(chat.first_prompt(&mut rng), chat.system.len());
                     let mut out = Vec::new();
                     for _ in 0..chat.turns {
                         let s = send(&sender, &conv, chat.output_len, c as u64).await;
@@ -499,7 +519,7 @@ pub async fn run(args: LoadArgs) -> Result<Value, String> {
                 samples.extend(h.await.map_err(|e| e.to_string())?);
             }
             ticker.abort();
-            (total, samples)
+            (total, samples, start)
         }
     };
     let elapsed = start.elapsed().as_secs_f64();

@@ -9,8 +9,10 @@ const LEFT: f64 = 70.0;
 const RIGHT: f64 = 20.0;
 const TOP: f64 = 40.0;
 const BOTTOM: f64 = 60.0;
-const COLORS: [&str; 10] =
-    ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"];
+const COLORS: [&str; 12] = [
+    "#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf",
+    "#000000", "#aec7e8",
+];
 
 /// CDF of each series' values (milliseconds), x on a log scale.
 pub fn cdf_svg(title: &str, series: &[(String, Vec<f64>)]) -> String {

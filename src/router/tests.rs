@@ -72,7 +72,7 @@ fn with_active(active: &[u32]) -> LoadVector {
 }
 
 /// The specification's formula read literally.
-const LITERAL: &str = r#""active_blocks": "in_flight", "prefill_load_weight": 0"#;
+const LITERAL: &str = r#""active_blocks": "in_flight", "prefill_load_weight": 0, "wait_slack_per_hit": null"#;
 
 fn cfg(json: &str) -> FilterConfig {
     FilterConfig::from_json(json.as_bytes()).unwrap()
@@ -188,7 +188,7 @@ fn burst_before_any_event_lands_on_one_worker() {
     // recomputing it elsewhere, so bursts spread one copy per worker by design; above 1
     // locality wins, if the router can see the prefix before the engine's events arrive.
     let (store, _) = fleet(8, vec![]);
-    let mut r = Router::new(cfg(r#"{"overlap_weight": 4}"#));
+    let mut r = Router::new(cfg(r#"{"overlap_weight": 4, "wait_slack_per_hit": null}"#));
     let mut chosen = std::collections::BTreeSet::new();
     let mut held = Vec::new();
     for i in 0..20 {
@@ -212,6 +212,41 @@ fn burst_before_any_event_lands_on_one_worker() {
         chosen.insert(route(&mut r, &store, &p, i as u64).destinations[0].clone());
     }
     assert!(chosen.len() > 4, "{chosen:?}");
+}
+
+#[test]
+fn the_wait_limit_spills_a_burst_once_its_queue_outweighs_the_prefix() {
+    // A 30-block prefix, then 2-block tails, none of it answered yet. The siblings follow
+    // the first (the cost keeps them together), each adding its tail to the holder's
+    // queue: the k-th waits for 32 + 2k blocks there, against 32 on an idle worker. At
+    // α = 0.5 the prefix's 30 hits buy 15 blocks of queue: the 8th sibling (48 > 47) goes
+    // elsewhere, and its decision says so.
+    let (store, _) = fleet(8, vec![]);
+    let mut r = Router::new(cfg(r#"{"wait_slack_per_hit": 0.5}"#));
+    let mut places = Vec::new();
+    let mut spilled = Vec::new();
+    let mut held = Vec::new();
+    for i in 0..10 {
+        let mut p = prompt(7, 30 * 16);
+        p.extend(prompt(1000 + i, 32));
+        let d = route(&mut r, &store, &p, i as u64);
+        places.push(d.destinations[0].clone());
+        spilled.push(d.spilled);
+        assert_eq!(d.debug_value().contains(";spilled=1"), d.spilled);
+        held.push(d.held);
+    }
+    assert!(places[..8].iter().all(|w| *w == places[0]), "{places:?}");
+    assert_ne!(places[8], places[0], "{places:?}");
+    assert_eq!(spilled.iter().filter(|s| **s).count(), 1, "only the first to leave is passed over: {spilled:?}");
+    // Once the first sibling's prefill ends (its first bytes), the holder's queue is the
+    // siblings' tails only, and the prefix is a hit again.
+    for h in &mut held[..1] {
+        r.end_prefill(&store, h, 20);
+    }
+    let mut p = prompt(7, 30 * 16);
+    p.extend(prompt(2000, 32));
+    let d = route(&mut r, &store, &p, 21);
+    assert_eq!(d.destinations[0], places[0]);
 }
 
 #[test]
@@ -501,7 +536,8 @@ fn queued_prefill_counts_against_a_worker_until_its_first_bytes() {
         let mut seen = std::collections::BTreeSet::new();
         for z in 0..16u32 {
             let (store, _) = fleet(2, vec![]);
-            let mut r = Router::new(cfg(&format!(r#"{{"prefill_load_weight": {weight}}}"#)));
+            let mut r =
+                Router::new(cfg(&format!(r#"{{"prefill_load_weight": {weight}, "wait_slack_per_hit": null}}"#)));
             let mut x = route(&mut r, &store, &prompt(1, 40 * 16), 0);
             r.end_prefill(&store, &mut x.held, 1);
             let y = route(&mut r, &store, &prompt(2, 40 * 16), 2);

@@ -23,6 +23,7 @@ struct Metrics {
     update_failures: BatchedCounter,
     shared_reads: BatchedCounter,
     prefill_releases: BatchedCounter,
+    spilled: BatchedCounter,
     unflushed: Cell<u32>,
 }
 
@@ -48,6 +49,7 @@ impl Metrics {
             update_failures: BatchedCounter::new("kvroute.update_failures"),
             shared_reads: BatchedCounter::new("kvroute.shared_reads"),
             prefill_releases: BatchedCounter::new("kvroute.prefill_releases"),
+            spilled: BatchedCounter::new("kvroute.spilled"),
             unflushed: Cell::new(0),
         }
     }
@@ -72,6 +74,7 @@ impl Metrics {
         self.layout_errors.add(u64::from(d.layout_errors));
         self.update_failures.add(u64::from(d.update_failures));
         self.shared_reads.add(u64::from(d.shared_reads));
+        self.spilled.add(u64::from(d.spilled));
         let n = self.unflushed.get() + 1;
         self.unflushed.set(n);
         if n >= FLUSH_EVERY {
@@ -90,6 +93,7 @@ impl Metrics {
             &self.update_failures,
             &self.shared_reads,
             &self.prefill_releases,
+            &self.spilled,
         ];
         for c in
             all.into_iter().chain(self.fallback.iter().map(|(_, c)| c)).chain(self.token_errors.iter().map(|(_, c)| c))

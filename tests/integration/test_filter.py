@@ -75,7 +75,7 @@ def test_removed_blocks_stop_attracting(setup):
 def test_at_weight_zero_only_load_counts(setup):
     # The specification's formula read literally: active_blocks as they are, no prefill term.
     s = setup(n_workers=2, filter_config={"overlap_weight": 0, "active_blocks": "in_flight",
-                                          "prefill_load_weight": 0})
+                                          "prefill_load_weight": 0, "wait_slack_per_hit": None})
     prompt = tokens(3, 320)
     s.state.store(s.workers[0].id, prompt)
     s.wait_synced()
