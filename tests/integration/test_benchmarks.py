@@ -18,7 +18,7 @@ def test_routing_quality_runs_every_policy(tmp_path):
     assert [x["policy"] for x in runs] == [
         "round_robin", "least_request", "random", "prefix_hash",
         "kvroute_w0", "kvroute_w1", "kvroute_w4", "kvroute_w1_literal", "kvroute_w4_literal",
-        "kvroute_w1_nopredict"]
+        "kvroute_w1_nopredict", "kvroute_w1_nolimit"]
     for x in runs:
         assert x["requests"] == 12 and x["failed"] == 0, x
         # Token-id bodies, through the stage: every request tokenized, and kvroute scored

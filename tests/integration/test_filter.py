@@ -224,7 +224,11 @@ def test_huge_token_header(setup):
 
 def test_burst_before_any_event_lands_on_one_worker(setup):
     s = setup(n_workers=4, filter_config={"overlap_weight": 4})
-    prefix = tokens(7, 30 * 16)
+    # A 64-block prefix and 2-block questions, as a system prompt and its questions are:
+    # the holder's queue (64 + 2 per sibling) stays within the wait limit's 0.5 blocks per
+    # hit (32) of a cold worker's 66 for all 12. With a prefix not much longer than its
+    # questions the limit would rightly split the burst (src/router/tests.rs).
+    prefix = tokens(7, 64 * 16)
     results = []
 
     def one(i):
