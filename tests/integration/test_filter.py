@@ -222,27 +222,50 @@ def test_huge_token_header(setup):
     assert (d["worker"], d["blocks"], d["hits"]) == (s.workers[1].id, "2048", "1024")
 
 
-def test_burst_before_any_event_lands_on_one_worker(setup):
-    s = setup(n_workers=4, filter_config={"overlap_weight": 4})
-    # A 64-block prefix and 2-block questions, as a system prompt and its questions are:
-    # the holder's queue (64 + 2 per sibling) stays within the wait limit's 0.5 blocks per
-    # hit (32) of a cold worker's 66 for all 12. With a prefix not much longer than its
-    # questions the limit would rightly split the burst (src/router/tests.rs).
-    prefix = tokens(7, 64 * 16)
-    results = []
+def burst(s, prefix, n=12):
+    """n requests with `prefix` and a 2-block question each, 10 ms apart, none answered
+    for 800 ms (so no prefill ends while they are routed): their debug headers, in
+    the order sent."""
+    decided = [None] * n
 
     def one(i):
         _, h, _ = s.envoy.request(headers={
             "x-prompt-token-ids-b64": b64(prefix + tokens(100 + i, 32)), "x-test-delay-ms": "800"})
-        results.append(debug(h)["worker"])
+        decided[i] = debug(h)
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(12)]
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
     for t in threads:
         t.start()
         time.sleep(0.01)
     for t in threads:
         t.join()
-    assert len(set(results)) == 1, results
+    return decided
+
+
+def test_burst_before_any_event_lands_on_one_worker(setup):
+    s = setup(n_workers=4, filter_config={"overlap_weight": 4})
+    # A 64-block prefix and 2-block questions, as a system prompt and its questions are:
+    # the holder's queue (64 + 2 per sibling) stays within the wait limit's 0.5 blocks per
+    # hit (32) of a cold worker's 66 for all 12. With a prefix not much longer than its
+    # questions the limit rightly splits the burst (the next test).
+    workers = [d["worker"] for d in burst(s, tokens(7, 64 * 16))]
+    assert len(set(workers)) == 1, workers
+
+
+def test_the_wait_limit_spills_a_burst_whose_queue_outweighs_its_prefix(setup):
+    """The shipped wait limit (0.5 blocks of extra queueing per hit) at the shipped weight:
+    12 requests share a 30-block prefix and bring 2 blocks each. The holder's queue grows
+    by 2 blocks a request; once it would keep a request waiting more than 15 blocks longer
+    than an idle worker (the 9th), that request goes elsewhere, and its successors follow
+    it there (they hit its in-flight blocks with nothing long queued ahead)."""
+    s = setup(n_workers=4)
+    decided = burst(s, tokens(7, 30 * 16))
+    workers = [d["worker"] for d in decided]
+    # Request i waits for 32 + 2i blocks on the holder against 32 on an idle worker:
+    # within 32 + 0.5 × 30 = 47 up to i = 7.
+    assert len(set(workers[:8])) == 1 and len(set(workers[8:])) == 1 and workers[8] != workers[0], workers
+    assert [d.get("spilled") for d in decided] == [None] * 8 + ["1"] + [None] * 3, decided
+    wait_for(lambda: s.envoy.stat("kvroute.spilled") == 1, what="kvroute.spilled == 1")
 
 
 def test_active_blocks_return_to_zero(setup):
