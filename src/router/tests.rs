@@ -41,6 +41,13 @@ fn prompt(prefix: u32, len: usize) -> Vec<u32> {
     (0..len as u32).map(|i| prefix * 100_000 + i).collect()
 }
 
+/// A burst's request: the 30-block prefix its siblings share, then a 2-block tail of its own.
+fn burst_prompt(tail: u32) -> Vec<u32> {
+    let mut p = prompt(7, 30 * 16);
+    p.extend(prompt(tail, 32));
+    p
+}
+
 fn route(r: &mut Router, store: &MemStore, tokens: &[u32], now: u64) -> Decision {
     let b64 = encode_base64(tokens);
     r.route(
@@ -192,10 +199,7 @@ fn burst_before_any_event_lands_on_one_worker() {
     let mut chosen = std::collections::BTreeSet::new();
     let mut held = Vec::new();
     for i in 0..20 {
-        // Same 30-block prefix, different 2-block tails.
-        let mut p = prompt(7, 30 * 16);
-        p.extend(prompt(1000 + i, 32));
-        let d = route(&mut r, &store, &p, i as u64);
+        let d = route(&mut r, &store, &burst_prompt(1000 + i), i as u64);
         chosen.insert(d.destinations[0].clone());
         held.push(d.held);
     }
@@ -207,9 +211,7 @@ fn burst_before_any_event_lands_on_one_worker() {
     let mut r = Router::new(cfg(&format!(r#"{{"overlap_weight": 4, "predict_on_route": false, {LITERAL}}}"#)));
     let mut chosen = std::collections::BTreeSet::new();
     for i in 0..20 {
-        let mut p = prompt(7, 30 * 16);
-        p.extend(prompt(1000 + i, 32));
-        chosen.insert(route(&mut r, &store, &p, i as u64).destinations[0].clone());
+        chosen.insert(route(&mut r, &store, &burst_prompt(1000 + i), i as u64).destinations[0].clone());
     }
     assert!(chosen.len() > 4, "{chosen:?}");
 }
@@ -227,9 +229,7 @@ fn the_wait_limit_spills_a_burst_once_its_queue_outweighs_the_prefix() {
     let mut spilled = Vec::new();
     let mut held = Vec::new();
     for i in 0..10 {
-        let mut p = prompt(7, 30 * 16);
-        p.extend(prompt(1000 + i, 32));
-        let d = route(&mut r, &store, &p, i as u64);
+        let d = route(&mut r, &store, &burst_prompt(1000 + i), i as u64);
         places.push(d.destinations[0].clone());
         spilled.push(d.spilled);
         assert_eq!(d.debug_value().contains(";spilled=1"), d.spilled);
@@ -240,12 +240,8 @@ fn the_wait_limit_spills_a_burst_once_its_queue_outweighs_the_prefix() {
     assert_eq!(spilled.iter().filter(|s| **s).count(), 1, "only the first to leave is passed over: {spilled:?}");
     // Once the first sibling's prefill ends (its first bytes), the holder's queue is the
     // siblings' tails only, and the prefix is a hit again.
-    for h in &mut held[..1] {
-        r.end_prefill(&store, h, 20);
-    }
-    let mut p = prompt(7, 30 * 16);
-    p.extend(prompt(2000, 32));
-    let d = route(&mut r, &store, &p, 21);
+    r.end_prefill(&store, &mut held[0], 20);
+    let d = route(&mut r, &store, &burst_prompt(2000), 21);
     assert_eq!(d.destinations[0], places[0]);
 }
 
