@@ -66,8 +66,13 @@ fn ranking(c: &mut Criterion) {
             })
             .collect();
         let mut out = Vec::new();
-        let weights =
-            Weights { overlap: 1.0, prefill_load: 1.0, offload_hit_credit: 0.5, wait_slack_per_hit: Some(0.5) };
+        let weights = Weights {
+            overlap: 1.0,
+            prefill_load: 1.0,
+            offload_hit_credit: 0.5,
+            wait_slack_per_hit: Some(0.5),
+            holder_tie_per_hit: Some(0.25),
+        };
         g.bench_with_input(BenchmarkId::new("workers", workers), &cands, |b, cands| {
             b.iter(|| rank(black_box(cands), weights, 128, 42, &mut out))
         });

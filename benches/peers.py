@@ -181,6 +181,29 @@ def markdown(results, failed=()):
     return "\n".join(lines)
 
 
+def merged(old, runs, failed, config):
+    """`old` results.json with this run's runs and failures in place of its own for the same
+    (workload, line), in the old order, new ones last. The config keeps the old one and
+    adds this run's under "merged"."""
+    redone = {(r["workload"], r["policy"]) for r in runs} | {(f["workload"], f["line"]) for f in failed}
+    new = {(r["workload"], r["policy"]): r for r in runs}
+    out = []
+    for r in old["runs"]:
+        key = (r["workload"], r["policy"])
+        if key not in redone:
+            out.append(r)
+        elif key in new:
+            out.append(new.pop(key))
+    out += new.values()
+    # Workloads stay grouped for the tables.
+    order = list(dict.fromkeys(r["workload"] for r in out))
+    out.sort(key=lambda r: order.index(r["workload"]))
+    kept = [f for f in old.get("failed", []) if (f["workload"], f["line"]) not in redone]
+    cfg = dict(old.get("config", {}))
+    cfg["merged"] = cfg.get("merged", []) + [config]
+    return out, kept + list(failed), cfg
+
+
 def cpu_by_process(p):
     """{process: CPU seconds so far} of one metered service."""
     if hasattr(p, "cpu_seconds_by_process"):
@@ -225,7 +248,8 @@ def drive(args, target, label, wname, wargs, engines, out):
     if args.client != "fleet_load":
         before = clients.engine_counters(engines)
         r = clients.run(args.client, target, MODEL, TOKENIZER_DIR, clients.SharedPrefix.from_load_args(wargs), args.seed,
-                        out / "clients" / f"{wname}.{label}")
+                        # Its work folder (inputs, logs, a tokenizer copy) stays out of the results.
+                        ROOT / "target" / "peers-clients" / out.name / f"{wname}.{label}")
         r.update(clients.engine_delta(before, clients.engine_counters(engines)))
         r["oracle_hit_rate"] = None
         return r, None
@@ -272,6 +296,9 @@ def main():
     ap.add_argument("--keep-samples", action="store_true",
                     help="keep every run's per-request samples in <out>/samples/<workload>.<line>.json")
     ap.add_argument("--out", help="results folder (default: target/peers-results[-mocker])")
+    ap.add_argument("--merge", action="store_true",
+                    help="keep the runs already in <out>/results.json that this run does not redo "
+                         "(same workload and line); plots keep only this run's lines")
     args = ap.parse_args()
     args.speedup = args.speedup or (2.0 if args.sim == "fleet" else 0.1)
     if args.client != "fleet_load" and args.sim != "fleet":
@@ -321,9 +348,12 @@ def main():
             rq.plot_ttft(out, wname, [label for label, *_ in lines], f"TTFT, {wname}, {args.sim} (model time)")
     finally:
         procs.stop_all()
+    wall_s = round(time.time() - t_start)
+    config = vars(args)
+    if args.merge and (out / "results.json").exists():
+        results, failed, config = merged(json.loads((out / "results.json").read_text()), results, failed, config)
     (out / "results.json").write_text(json.dumps(
-        {"config": vars(args), "versions": VERSIONS, "wall_s": round(time.time() - t_start), "runs": results,
-         "failed": failed}, indent=1))
+        {"config": config, "versions": VERSIONS, "wall_s": wall_s, "runs": results, "failed": failed}, indent=1))
     (out / "tables.md").write_text(f"kvroute_w1 against the best peer:\n\n{versus(results)}\n{markdown(results, failed)}\n")
     print(markdown(results, failed))
     print(f"\n{len(results)} runs, {len(failed)} failed, in {time.time() - t_start:.0f} s; results in {out}")

@@ -13,6 +13,7 @@ Policies:
                                        as they are, no prefill term (kvroute before both)
   kvroute_w1_nopredict                 kvroute at weight 1, predict-on-route off
   kvroute_w1_nolimit                   kvroute at weight 1 without the wait limit
+  kvroute_w1_notie                     kvroute at weight 1 without the holder tie
   kvroute_w1_p<x>                      with --prefill-sweep: weight 1, prefill_load_weight x
 
 Workloads (each run on a freshly reset fleet): shared prefix (uniform) at light, ~70% and
@@ -75,7 +76,8 @@ def cached_capacity(workers, uncached_tokens, output_tokens):
     return workers * 1000.0 / per_request_ms
 
 
-LITERAL = {"active_blocks": "in_flight", "prefill_load_weight": 0.0, "wait_slack_per_hit": None}
+LITERAL = {"active_blocks": "in_flight", "prefill_load_weight": 0.0, "wait_slack_per_hit": None,
+           "holder_tie_per_hit": None}
 
 
 def policies(tuned, prefill_sweep=()):
@@ -92,6 +94,7 @@ def policies(tuned, prefill_sweep=()):
         (f"kvroute_w{t}_literal", "kvroute", {"overlap_weight": tuned, **LITERAL}),
         ("kvroute_w1_nopredict", "kvroute", {"overlap_weight": 1.0, "predict_on_route": False}),
         ("kvroute_w1_nolimit", "kvroute", {"overlap_weight": 1.0, "wait_slack_per_hit": None}),
+        ("kvroute_w1_notie", "kvroute", {"overlap_weight": 1.0, "holder_tie_per_hit": None}),
     ] + [(f"kvroute_w1_p{p:g}", "kvroute", {"overlap_weight": 1.0, "prefill_load_weight": p}) for p in prefill_sweep]
 
 

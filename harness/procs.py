@@ -2,6 +2,7 @@
 import contextlib
 import os
 import pathlib
+import random
 import shutil
 import socket
 import subprocess
@@ -55,7 +56,30 @@ def prometheus(url, labels=True):
     return out
 
 
+_handed_out = set()
+
+
 def free_port():
+    """A port nothing listens on, for a server started later. Taken below the kernel's
+    ephemeral range: a port from the range (bind to 0) can be given to some client's
+    outgoing connection before the server binds it ("Address already in use"), which
+    happened under the stage benchmark's connection churn. Ports are not handed out twice
+    in one process; the range's first 12k ports make a clash between processes rare."""
+    try:
+        low = int(pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 0
+    for _ in range(200 if low > 20000 else 0):
+        port = random.randrange(max(1024, low - 12000), low)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

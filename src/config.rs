@@ -80,6 +80,7 @@ struct RawFilterConfig {
     active_blocks: ActiveBlocks,
     prefill_load_weight: f64,
     wait_slack_per_hit: Option<f64>,
+    holder_tie_per_hit: Option<f64>,
 }
 
 impl Default for RawFilterConfig {
@@ -107,6 +108,7 @@ impl Default for RawFilterConfig {
             active_blocks: ActiveBlocks::Potential,
             prefill_load_weight: DEFAULT_PREFILL_LOAD_WEIGHT,
             wait_slack_per_hit: Some(DEFAULT_WAIT_SLACK_PER_HIT),
+            holder_tie_per_hit: Some(DEFAULT_HOLDER_TIE_PER_HIT),
         }
     }
 }
@@ -155,6 +157,9 @@ pub struct FilterConfig {
     /// The wait limit ([`crate::score`]): the blocks of extra prefill queueing each cache hit
     /// may buy against the least-waiting worker. `None`: no limit.
     pub wait_slack_per_hit: Option<f64>,
+    /// The holder tie ([`crate::score`]): the blocks of extra cost each extra cache hit may
+    /// buy when the request would start its prefill no later on the holder. `None`: no tie.
+    pub holder_tie_per_hit: Option<f64>,
 }
 
 /// Loading a block back from CPU memory is several times cheaper than recomputing it but
@@ -166,6 +171,9 @@ pub const DEFAULT_PREFILL_LOAD_WEIGHT: f64 = 1.0;
 
 /// Chosen by the head-to-head benchmark (docs/benchmarks.md).
 pub const DEFAULT_WAIT_SLACK_PER_HIT: f64 = 0.5;
+
+/// Chosen by the head-to-head benchmark (docs/benchmarks.md): 1 collapses the agentic loop.
+pub const DEFAULT_HOLDER_TIE_PER_HIT: f64 = 0.25;
 
 fn header_name(key: &str, v: &str) -> Result<String, ConfigError> {
     let ok = !v.is_empty() && v.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_');
@@ -201,6 +209,7 @@ impl FilterConfig {
         }
         let prefill_load_weight = weight("prefill_load_weight", raw.prefill_load_weight)?;
         let wait_slack_per_hit = raw.wait_slack_per_hit.map(|v| weight("wait_slack_per_hit", v)).transpose()?;
+        let holder_tie_per_hit = raw.holder_tie_per_hit.map(|v| weight("holder_tie_per_hit", v)).transpose()?;
         let overlap_weight = weight("overlap_weight", raw.overlap_weight)?;
         let prefill = match raw.prefill_overlap_weight {
             Some(v) => weight("prefill_overlap_weight", v)?,
@@ -260,6 +269,7 @@ impl FilterConfig {
             active_blocks: raw.active_blocks,
             prefill_load_weight,
             wait_slack_per_hit,
+            holder_tie_per_hit,
         })
     }
 
@@ -383,6 +393,9 @@ mod tests {
         assert_eq!(c.wait_slack_per_hit, Some(DEFAULT_WAIT_SLACK_PER_HIT));
         let unlimited = FilterConfig::from_json(br#"{"wait_slack_per_hit": null}"#).unwrap();
         assert_eq!(unlimited.wait_slack_per_hit, None);
+        assert_eq!(c.holder_tie_per_hit, Some(DEFAULT_HOLDER_TIE_PER_HIT));
+        let untied = FilterConfig::from_json(br#"{"holder_tie_per_hit": null}"#).unwrap();
+        assert_eq!(untied.holder_tie_per_hit, None);
         let s = SyncConfig::from_json(b" ").unwrap();
         assert_eq!(s.n_buckets, crate::layout::DEFAULT_BUCKETS);
     }
@@ -416,6 +429,8 @@ mod tests {
             (r#"{"prefill_load_weight": null}"#, "invalid type"),
             (r#"{"wait_slack_per_hit": -0.5}"#, "wait_slack_per_hit"),
             (r#"{"wait_slack_per_hit": "some"}"#, "invalid type"),
+            (r#"{"holder_tie_per_hit": -1}"#, "holder_tie_per_hit"),
+            (r#"{"holder_tie_per_hit": "yes"}"#, "invalid type"),
             (r#"{"active_blocks": "current"}"#, "unknown variant"),
             (r#"[1]"#, "invalid"),
             (r#"{"#, "invalid"),

@@ -13,7 +13,7 @@ use crate::layout::{
     Role, SlotState, WorkerTable, LOAD_KEY, TABLE_KEY,
 };
 use crate::scan::{scan_segment, Scan};
-use crate::score::{rank, worker_key, Candidate, Scored, Weights};
+use crate::score::{rank, worker_key, Candidate, RankOutcome, Scored, Weights};
 use crate::slots::{SlotSet, MAX_SLOTS};
 use crate::tokens::{decode_tokens, TokenEncoding, TokenError};
 use std::fmt::Write as _;
@@ -129,10 +129,17 @@ pub struct Decision {
     pub shared_reads: u32,
     /// The wait limit passed over the cheapest worker (`wait_slack_per_hit`).
     pub spilled: bool,
+    /// The holder tie put a worker with more cache hits first (`holder_tie_per_hit`).
+    pub kept_on_holder: bool,
 }
 
 impl Decision {
-    /// `worker=…;hits=…;blocks=…;cost=…[;offloaded=…][;prefill=…][;spilled=1][;fallback=…]`
+    fn note(&mut self, r: RankOutcome) {
+        self.spilled |= r.spilled;
+        self.kept_on_holder |= r.kept_on_holder;
+    }
+
+    /// `worker=…;hits=…;blocks=…;cost=…[;offloaded=…][;prefill=…][;spilled=1][;holder=1][;fallback=…]`
     /// for the debug response header.
     pub fn debug_value(&self) -> String {
         let mut s = String::new();
@@ -146,6 +153,9 @@ impl Decision {
         }
         if self.spilled {
             s.push_str(";spilled=1");
+        }
+        if self.kept_on_holder {
+            s.push_str(";holder=1");
         }
         if let Some(f) = self.fallback {
             let _ = write!(s, ";fallback={}", f.name());
@@ -285,7 +295,7 @@ impl Router {
             if prefill_set.is_empty() {
                 d.fallback.get_or_insert(Fallback::NoPrefillWorker);
             } else {
-                d.spilled |= self.rank_set(&request, &prefill_set, self.cfg.prefill_overlap_weight, true);
+                d.note(self.rank_set(&request, &prefill_set, self.cfg.prefill_overlap_weight, true));
                 if let Some(best) = self.scored.first() {
                     d.prefiller = Some(table.slots[best.candidate.slot].id.clone());
                     chosen.push(best.candidate.slot as u16);
@@ -297,7 +307,8 @@ impl Router {
             Mode::Pd => self.cfg.decode_overlap_weight,
         };
         // A decode worker fed by a prefill worker computes none of the prompt.
-        d.spilled |= self.rank_set(&request, &decode_set, weight, d.prefiller.is_none());
+        let prefills = d.prefiller.is_none();
+        d.note(self.rank_set(&request, &decode_set, weight, prefills));
         for s in self.scored.iter().take(self.cfg.max_endpoints) {
             d.destinations.push(table.slots[s.candidate.slot].id.clone());
         }
@@ -333,9 +344,11 @@ impl Router {
     }
 
     /// Whether routing charges each worker its outstanding prefill: read by the prefill
-    /// term and by the wait limit.
+    /// term, the wait limit and the holder tie.
     fn tracks_prefill(&self) -> bool {
-        self.cfg.prefill_load_weight > 0.0 || self.cfg.wait_slack_per_hit.is_some()
+        self.cfg.prefill_load_weight > 0.0
+            || self.cfg.wait_slack_per_hit.is_some()
+            || self.cfg.holder_tie_per_hit.is_some()
     }
 
     /// The request's block hashes, or none with the reason in `d.fallback`.
@@ -399,9 +412,8 @@ impl Router {
     }
 
     /// Scores the slots of `set` into `self.scored`, best first. `prefills`: the chosen
-    /// worker will compute the request's prefill. Returns whether the wait limit passed
-    /// over the cheapest worker.
-    fn rank_set(&mut self, r: &Request<'_>, set: &SlotSet, weight: f64, prefills: bool) -> bool {
+    /// worker will compute the request's prefill.
+    fn rank_set(&mut self, r: &Request<'_>, set: &SlotSet, weight: f64, prefills: bool) -> RankOutcome {
         let potential = self.cfg.active_blocks == ActiveBlocks::Potential;
         let (scan, request_blocks) = (r.scan, r.blocks);
         self.candidates.clear();
@@ -434,6 +446,7 @@ impl Router {
             // Only where the chosen worker computes the prefill: a PD decode worker waits
             // for none.
             wait_slack_per_hit: self.cfg.wait_slack_per_hit.filter(|_| prefills),
+            holder_tie_per_hit: self.cfg.holder_tie_per_hit.filter(|_| prefills),
         };
         rank(&self.candidates, weights, request_blocks, r.key, &mut self.scored)
     }

@@ -25,6 +25,18 @@
 //! request waiting there is its own prefill, which the cost already prices. The admissible
 //! workers come first, in cost order, then the rest (for retries), also in cost order.
 //!
+//! The holder tie (`holder_tie_per_hit`, τ): at weight 1 a worker holding the request's
+//! prefix while it prefills another request's cold prompt carries that prompt twice, as
+//! load and as queue, and can cost a few blocks more than an idle worker holding nothing,
+//! though the request would wait as long on either. Sending it to the idle worker makes a
+//! second copy of the prefix: its whole prefill computed again and its blocks cached twice,
+//! with the fleet's later hits split between the two. So a worker with more cache hits is
+//! put first when it would start the request's prefill no later than the cheapest worker
+//! would finish it (its outstanding prefill ≤ the cheapest's wait), the wait limit admits
+//! it, and its cost is within τ per extra hit of the cheapest's. With several, the one
+//! with the most hits. Decode load stays priced: a holder far busier decoding costs far
+//! more than τ per hit.
+//!
 //! Ties, in order: more cache hits (a tie between locality and load goes to locality,
 //! which is cheaper in prefill), then the lowest rendezvous hash of (request key, worker)
 //! — deterministic for a given request, and spread evenly over workers across requests,
@@ -50,6 +62,15 @@ pub struct Candidate {
     pub worker_key: u64,
 }
 
+/// What [`rank`] did beyond sorting by cost.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RankOutcome {
+    /// The wait limit passed over the cheapest worker.
+    pub spilled: bool,
+    /// The holder tie put a worker with more cache hits before the cheapest.
+    pub kept_on_holder: bool,
+}
+
 /// A candidate with its cost.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Scored {
@@ -66,6 +87,8 @@ pub struct Weights {
     pub offload_hit_credit: f64,
     /// α of the wait limit (module docs); `None`: the cost alone ranks.
     pub wait_slack_per_hit: Option<f64>,
+    /// τ of the holder tie (module docs); `None`: no tie.
+    pub holder_tie_per_hit: Option<f64>,
 }
 
 /// The specification's cost function.
@@ -97,14 +120,14 @@ pub fn worker_key(id: &str) -> u64 {
 /// Scores and sorts `candidates` best first into `out` (cleared first).
 /// `request_key` identifies the request for tie-breaking: its first block's hash, so
 /// requests with the same start agree, or a caller-supplied random number for requests
-/// without blocks. Returns whether the wait limit passed over the cheapest worker.
+/// without blocks.
 pub fn rank(
     candidates: &[Candidate],
     weights: Weights,
     request_blocks: u32,
     request_key: u64,
     out: &mut Vec<Scored>,
-) -> bool {
+) -> RankOutcome {
     let offload_hit_credit = weights.offload_hit_credit;
     out.clear();
     out.extend(candidates.iter().map(|c| Scored {
@@ -124,18 +147,40 @@ pub fn rank(
             .then(a.tiebreak.cmp(&b.tiebreak))
             .then(a.candidate.slot.cmp(&b.candidate.slot))
     });
-    let Some(alpha) = weights.wait_slack_per_hit else { return false };
-    let Some(least) = out.iter().map(|s| s.candidate.wait).min() else { return false };
+    let least = out.iter().map(|s| s.candidate.wait).min().unwrap_or(0);
     let admissible = |s: &Scored| {
+        let Some(alpha) = weights.wait_slack_per_hit else { return true };
         let c = &s.candidate;
         f64::from(c.wait) <= f64::from(least.max(c.own_prefill)) + alpha * c.effective_hits(offload_hit_credit)
     };
-    if out.first().is_some_and(admissible) {
-        return false;
+    let mut outcome = RankOutcome::default();
+    if !out.first().is_none_or(admissible) {
+        // Stable: cost order within each side.
+        out.sort_by_key(|s| !admissible(s));
+        outcome.spilled = true;
     }
-    // Stable: cost order within each side.
-    out.sort_by_key(|s| !admissible(s));
-    true
+    if let (Some(tau), Some(best)) = (weights.holder_tie_per_hit, out.first().copied()) {
+        let hits = |s: &Scored| s.candidate.effective_hits(offload_hit_credit);
+        let ties = |s: &Scored| {
+            let more = hits(s) - hits(&best);
+            more > 0.0
+                && admissible(s)
+                && s.candidate.wait.saturating_sub(s.candidate.own_prefill) <= best.candidate.wait
+                && s.cost <= best.cost + tau * more
+        };
+        // The most hits; among equals the earliest, i.e. the cheapest.
+        let holder = out
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| ties(s))
+            .max_by(|(i, a), (j, b)| hits(a).total_cmp(&hits(b)).then(j.cmp(i)))
+            .map(|(i, _)| i);
+        if let Some(i) = holder {
+            out[..=i].rotate_right(1);
+            outcome.kept_on_holder = true;
+        }
+    }
+    outcome
 }
 
 #[cfg(test)]
@@ -158,7 +203,7 @@ mod tests {
     }
 
     fn w(overlap: f64, offload_hit_credit: f64) -> Weights {
-        Weights { overlap, prefill_load: 0.0, offload_hit_credit, wait_slack_per_hit: None }
+        Weights { overlap, prefill_load: 0.0, offload_hit_credit, wait_slack_per_hit: None, holder_tie_per_hit: None }
     }
 
     /// The specification's worked example: a 10-block prompt, weight 1.0.
@@ -227,7 +272,13 @@ mod tests {
         w0.pending_prefill = 40;
         let w1 = cand(1, 8, 2);
         let mut out = Vec::new();
-        let weights = Weights { overlap: 1.0, prefill_load: 0.5, offload_hit_credit: 0.5, wait_slack_per_hit: None };
+        let weights = Weights {
+            overlap: 1.0,
+            prefill_load: 0.5,
+            offload_hit_credit: 0.5,
+            wait_slack_per_hit: None,
+            holder_tie_per_hit: None,
+        };
         rank(&[w0, w1], weights, 10, 0, &mut out);
         assert_eq!((out[0].candidate.slot, out[0].cost, out[1].cost), (1, 4.0, 24.0));
         // Weight 0: the prefill term is gone, and the cost is the specification's.
@@ -242,22 +293,112 @@ mod tests {
         let holder = Candidate { wait: 300 + 64, own_prefill: 64, ..cand(0, 128, 400) };
         let cold = Candidate { wait: 192, own_prefill: 192, ..cand(1, 0, 500) };
         let mut out = Vec::new();
-        let off = Weights { overlap: 1.0, prefill_load: 0.0, offload_hit_credit: 0.5, wait_slack_per_hit: None };
+        let off = Weights {
+            overlap: 1.0,
+            prefill_load: 0.0,
+            offload_hit_credit: 0.5,
+            wait_slack_per_hit: None,
+            holder_tie_per_hit: None,
+        };
         // The cost alone: 64 + 400 against 192 + 500, the holder.
-        assert!(!rank(&[cold, holder], off, 192, 0, &mut out));
+        assert!(!rank(&[cold, holder], off, 192, 0, &mut out).spilled);
         assert_eq!(out[0].candidate.slot, 0);
         // α = 1: 364 ≤ 192 + 128 is false, so the holder is passed over (and stays in the
         // list for retries, second).
-        assert!(rank(&[cold, holder], Weights { wait_slack_per_hit: Some(1.0), ..off }, 192, 0, &mut out));
+        assert!(rank(&[cold, holder], Weights { wait_slack_per_hit: Some(1.0), ..off }, 192, 0, &mut out).spilled);
         assert_eq!((out[0].candidate.slot, out[1].candidate.slot), (1, 0));
         // α = 2: 364 ≤ 192 + 256: the holder's hits buy its queue.
-        assert!(!rank(&[cold, holder], Weights { wait_slack_per_hit: Some(2.0), ..off }, 192, 0, &mut out));
+        assert!(!rank(&[cold, holder], Weights { wait_slack_per_hit: Some(2.0), ..off }, 192, 0, &mut out).spilled);
         assert_eq!(out[0].candidate.slot, 0);
         // Offloaded hits buy at their credit: 100 of the 128 offloaded at 0.5 give 78
         // effective hits, and α = 2 no longer covers the queue (364 > 192 + 156).
         let holder = Candidate { offloaded_hits: 100, ..holder };
-        assert!(rank(&[cold, holder], Weights { wait_slack_per_hit: Some(2.0), ..off }, 192, 0, &mut out));
+        assert!(rank(&[cold, holder], Weights { wait_slack_per_hit: Some(2.0), ..off }, 192, 0, &mut out).spilled);
         assert_eq!(out[0].candidate.slot, 1);
+    }
+
+    /// A group's holder prefilling another group's cold prompt (132 blocks, as load and as
+    /// queue) against an idle worker that holds nothing, for a 132-block request with 128
+    /// blocks cached on the holder: the waits are 136 and 132 blocks, the costs 404 and 396.
+    fn copy_case() -> [Candidate; 2] {
+        let idle = Candidate { wait: 132, own_prefill: 132, pending_prefill: 132, ..cand(0, 0, 132) };
+        let holder = Candidate { wait: 136, own_prefill: 4, pending_prefill: 136, ..cand(1, 128, 264) };
+        [idle, holder]
+    }
+
+    fn shipped() -> Weights {
+        Weights {
+            overlap: 1.0,
+            prefill_load: 1.0,
+            offload_hit_credit: 0.5,
+            wait_slack_per_hit: Some(0.5),
+            holder_tie_per_hit: Some(0.25),
+        }
+    }
+
+    #[test]
+    fn the_holder_tie_keeps_a_prefix_on_its_holder_at_equal_waits() {
+        let mut out = Vec::new();
+        let off = Weights { holder_tie_per_hit: None, ..shipped() };
+        assert_eq!(rank(&copy_case(), off, 132, 0, &mut out), RankOutcome::default());
+        assert_eq!((out[0].candidate.slot, out[0].cost, out[1].cost), (0, 396.0, 404.0));
+        // τ = 0.25: 8 blocks dearer for 128 more hits is within 32.
+        let r = rank(&copy_case(), shipped(), 132, 0, &mut out);
+        assert_eq!(r, RankOutcome { spilled: false, kept_on_holder: true });
+        assert_eq!((out[0].candidate.slot, out[1].candidate.slot), (1, 0));
+        // τ = 0.05: 8 > 6.4, the cost decides.
+        let r = rank(&copy_case(), Weights { holder_tie_per_hit: Some(0.05), ..shipped() }, 132, 0, &mut out);
+        assert!(!r.kept_on_holder);
+        assert_eq!(out[0].candidate.slot, 0);
+    }
+
+    #[test]
+    fn the_holder_tie_needs_the_prefill_to_start_in_time() {
+        // The holder has 200 blocks queued ahead: the request would start there after the
+        // idle worker had finished it (132), though its cost is within τ per hit.
+        let [idle, holder] = copy_case();
+        let holder = Candidate { wait: 204, pending_prefill: 204, active_blocks: 192, ..holder };
+        let mut out = Vec::new();
+        let r = rank(&[idle, holder], shipped(), 132, 0, &mut out);
+        assert_eq!(out[1].cost - out[0].cost, 4.0);
+        assert!(!r.kept_on_holder);
+        assert_eq!(out[0].candidate.slot, 0);
+    }
+
+    #[test]
+    fn the_holder_tie_leaves_decode_load_priced() {
+        // The holder decodes 2000 blocks: 1748 dearer, far beyond 0.25 × 128.
+        let holder = Candidate { wait: 20, own_prefill: 16, pending_prefill: 20, ..cand(0, 128, 2000) };
+        let cold = Candidate { wait: 144, own_prefill: 144, pending_prefill: 144, ..cand(1, 0, 0) };
+        let mut out = Vec::new();
+        assert!(!rank(&[holder, cold], shipped(), 144, 0, &mut out).kept_on_holder);
+        assert_eq!(out[0].candidate.slot, 1);
+    }
+
+    #[test]
+    fn the_holder_tie_takes_the_most_hits_the_wait_limit_admits() {
+        // Two holders within τ of the idle worker; the one with more hits (3) is passed
+        // over by the wait limit (α = 0: no queue beyond the least wait), so 2 wins.
+        let [idle, holder] = copy_case();
+        let partial = Candidate {
+            slot: 2,
+            cache_hits: 120,
+            own_prefill: 12,
+            wait: 132,
+            pending_prefill: 132,
+            active_blocks: 264,
+            ..holder
+        };
+        let fuller = Candidate { slot: 3, worker_key: 3, ..holder };
+        let mut out = Vec::new();
+        let r =
+            rank(&[idle, fuller, partial], Weights { wait_slack_per_hit: Some(0.0), ..shipped() }, 132, 0, &mut out);
+        assert!(r.kept_on_holder);
+        assert_eq!(out[0].candidate.slot, 2);
+        // Without the limit the fuller one.
+        let r = rank(&[idle, fuller, partial], Weights { wait_slack_per_hit: None, ..shipped() }, 132, 0, &mut out);
+        assert!(r.kept_on_holder);
+        assert_eq!(out[0].candidate.slot, 3);
     }
 
     /// Passed-over workers keep their cost order behind the admissible ones.
@@ -268,9 +409,14 @@ mod tests {
         // decoding).
         let all = [mk(3, 0, 30, 10, 10), mk(2, 0, 20, 10, 10), mk(1, 8, 1, 40, 2), mk(0, 9, 0, 50, 1)];
         let mut out = Vec::new();
-        let weights =
-            Weights { overlap: 1.0, prefill_load: 0.0, offload_hit_credit: 0.5, wait_slack_per_hit: Some(0.5) };
-        assert!(rank(&all, weights, 10, 0, &mut out));
+        let weights = Weights {
+            overlap: 1.0,
+            prefill_load: 0.0,
+            offload_hit_credit: 0.5,
+            wait_slack_per_hit: Some(0.5),
+            holder_tie_per_hit: None,
+        };
+        assert!(rank(&all, weights, 10, 0, &mut out).spilled);
         let order: Vec<usize> = out.iter().map(|s| s.candidate.slot).collect();
         // Admissible (wait ≤ 10 + 0.5 × hits): 2 and 3; then 0 and 1 in cost order.
         assert_eq!(order, [2, 3, 0, 1]);
@@ -284,9 +430,14 @@ mod tests {
         let holder = Candidate { wait: 20, own_prefill: 16, ..cand(0, 128, 2000) };
         let cold = Candidate { wait: 144, own_prefill: 144, ..cand(1, 0, 0) };
         let mut out = Vec::new();
-        let weights =
-            Weights { overlap: 1.0, prefill_load: 1.0, offload_hit_credit: 0.5, wait_slack_per_hit: Some(0.5) };
-        assert!(!rank(&[holder, cold], weights, 144, 0, &mut out));
+        let weights = Weights {
+            overlap: 1.0,
+            prefill_load: 1.0,
+            offload_hit_credit: 0.5,
+            wait_slack_per_hit: Some(0.5),
+            holder_tie_per_hit: None,
+        };
+        assert!(!rank(&[holder, cold], weights, 144, 0, &mut out).spilled);
         assert_eq!(out[0].candidate.slot, 1);
     }
 }

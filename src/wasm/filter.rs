@@ -24,6 +24,7 @@ struct Metrics {
     shared_reads: BatchedCounter,
     prefill_releases: BatchedCounter,
     spilled: BatchedCounter,
+    kept_on_holder: BatchedCounter,
     unflushed: Cell<u32>,
 }
 
@@ -50,6 +51,7 @@ impl Metrics {
             shared_reads: BatchedCounter::new("kvroute.shared_reads"),
             prefill_releases: BatchedCounter::new("kvroute.prefill_releases"),
             spilled: BatchedCounter::new("kvroute.spilled"),
+            kept_on_holder: BatchedCounter::new("kvroute.kept_on_holder"),
             unflushed: Cell::new(0),
         }
     }
@@ -75,6 +77,7 @@ impl Metrics {
         self.update_failures.add(u64::from(d.update_failures));
         self.shared_reads.add(u64::from(d.shared_reads));
         self.spilled.add(u64::from(d.spilled));
+        self.kept_on_holder.add(u64::from(d.kept_on_holder));
         let n = self.unflushed.get() + 1;
         self.unflushed.set(n);
         if n >= FLUSH_EVERY {
@@ -94,6 +97,7 @@ impl Metrics {
             &self.shared_reads,
             &self.prefill_releases,
             &self.spilled,
+            &self.kept_on_holder,
         ];
         for c in
             all.into_iter().chain(self.fallback.iter().map(|(_, c)| c)).chain(self.token_errors.iter().map(|(_, c)| c))

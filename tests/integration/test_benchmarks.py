@@ -18,7 +18,7 @@ def test_routing_quality_runs_every_policy(tmp_path):
     assert [x["policy"] for x in runs] == [
         "round_robin", "least_request", "random", "prefix_hash",
         "kvroute_w0", "kvroute_w1", "kvroute_w4", "kvroute_w1_literal", "kvroute_w4_literal",
-        "kvroute_w1_nopredict", "kvroute_w1_nolimit"]
+        "kvroute_w1_nopredict", "kvroute_w1_nolimit", "kvroute_w1_notie"]
     for x in runs:
         assert x["requests"] == 12 and x["failed"] == 0, x
         # Token-id bodies, through the stage: every request tokenized, and kvroute scored
@@ -105,6 +105,10 @@ def test_peers_run_against_the_same_fleet(tmp_path):
     assert events.get("ok", 0) > 0 and set(events) == {"ok"}, events
     # Each group's later requests can hit, on whichever engine Dynamo sent the first.
     assert runs["dynamo_kv"]["hit_rate"] > 0, runs["dynamo_kv"]
+    # One line again, merged: its run replaced, the other line's kept as it was.
+    again, merged = run_peers(tmp_path, "--lines", "kvroute_w1", "--speedup", "8", "--merge")
+    assert [x["policy"] for x in again["runs"]] == ["kvroute_w1", "dynamo_kv"]
+    assert merged["dynamo_kv"] == runs["dynamo_kv"] and again["config"]["merged"][0]["lines"] == "kvroute_w1"
 
 
 def test_peers_run_on_dynamos_mocker(tmp_path):

@@ -75,7 +75,8 @@ def test_removed_blocks_stop_attracting(setup):
 def test_at_weight_zero_only_load_counts(setup):
     # The specification's formula read literally: active_blocks as they are, no prefill term.
     s = setup(n_workers=2, filter_config={"overlap_weight": 0, "active_blocks": "in_flight",
-                                          "prefill_load_weight": 0, "wait_slack_per_hit": None})
+                                          "prefill_load_weight": 0, "wait_slack_per_hit": None,
+                                          "holder_tie_per_hit": None})
     prompt = tokens(3, 320)
     s.state.store(s.workers[0].id, prompt)
     s.wait_synced()
@@ -266,6 +267,32 @@ def test_the_wait_limit_spills_a_burst_whose_queue_outweighs_its_prefix(setup):
     assert len(set(workers[:8])) == 1 and len(set(workers[8:])) == 1 and workers[8] != workers[0], workers
     assert [d.get("spilled") for d in decided] == [None] * 8 + ["1"] + [None] * 3, decided
     wait_for(lambda: s.envoy.stat("kvroute.spilled") == 1, what="kvroute.spilled == 1")
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_the_holder_tie_keeps_a_prefix_on_its_busy_holder(setup, tie):
+    """Worker 0 holds a 64-block prefix P and is prefilling another prompt Q (64 uncached
+    blocks, 66 in flight). A request P + 2 blocks costs 2 + 132 + 66 = 200 there against
+    66 + 66 + 66 = 198 on idle worker 1, and would wait 66 blocks on either. At the
+    shipped τ (0.25 × 64 hits = 16 ≥ 2) it stays with worker 0; without the tie worker 1
+    computes P a second time."""
+    s = setup(n_workers=2, filter_config={} if tie else {"holder_tie_per_hit": None})
+    prefix, other = tokens(21, 64 * 16), tokens(22, 66 * 16)
+    s.state.store(s.workers[0].id, prefix)
+    s.state.store(s.workers[0].id, other[:32])  # Q's first 2 blocks: Q goes to worker 0
+    s.wait_synced()
+    busy = threading.Thread(target=s.envoy.request, kwargs={"headers": {
+        "x-prompt-token-ids-b64": b64(other), "x-test-delay-ms": "1500"}})
+    busy.start()
+    wait_for(lambda: _prefill(s).get(_stat_id(s.workers[0])) == 64, what="worker 0 prefilling Q")
+    _, h, _ = s.envoy.request(headers={"x-prompt-token-ids-b64": b64(prefix + tokens(23, 32))})
+    busy.join()
+    d = debug(h)
+    if tie:
+        assert (d["worker"], d["hits"], d.get("holder")) == (s.workers[0].id, "64", "1"), d
+        wait_for(lambda: s.envoy.stat("kvroute.kept_on_holder") == 1, what="kvroute.kept_on_holder == 1")
+    else:
+        assert (d["worker"], d["hits"], d.get("holder")) == (s.workers[1].id, "0", None), d
 
 
 def test_active_blocks_return_to_zero(setup):

@@ -16,6 +16,10 @@ use serde_json::{json, Value};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+/// The allocator the stage's binary runs with (src/main.rs).
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// English-like text (common words, capitals, numbers, punctuation), deterministic: BPE has
 /// real merges to do, unlike repeated filler.
 fn prose(words: usize, seed: u64) -> String {
