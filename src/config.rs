@@ -172,7 +172,7 @@ pub const DEFAULT_PREFILL_LOAD_WEIGHT: f64 = 1.0;
 /// Chosen by the head-to-head benchmark (docs/benchmarks.md).
 pub const DEFAULT_WAIT_SLACK_PER_HIT: f64 = 0.5;
 
-/// Chosen by the head-to-head benchmark (docs/benchmarks.md): 1 collapses the agentic loop.
+/// Chosen by the head-to-head benchmark (docs/benchmarks.md): 0.5 and 1 lose the agentic loop.
 pub const DEFAULT_HOLDER_TIE_PER_HIT: f64 = 0.25;
 
 fn header_name(key: &str, v: &str) -> Result<String, ConfigError> {
