@@ -19,6 +19,13 @@ Lines:
                                  KV events (benches/dynamo_peer.py); on the mockers, Dynamo
                                  as deployed, the mockers registered with its frontend
 
+Reference lines, run only when --lines names them (where kvroute's CPU goes):
+  envoy_round_robin, envoy_round_robin_stage
+                                 Envoy alone; Envoy with the tokenizer stage (ext_proc)
+  kvroute_sync_only, kvroute_filter_only
+                                 kvroute without its filter, or without its sync service
+                                 (the filter finds no worker table); Envoy's fallback routes
+
 Engine simulators (`--sim`):
   fleet    kvroute-fleet's mock engines, reset between lines (the default)
   mocker   Dynamo's mocker (benches/dynamo_fleet.py), written by others: an independent
@@ -76,6 +83,16 @@ LINES = [
     ("vllm_router_kv_aware", "vllm-router", "kv_aware"),
     ("vllm_router_cache_aware", "vllm-router", "cache_aware"),
     ("dynamo_kv", "dynamo", None),
+]
+# Where kvroute's router CPU goes: Envoy alone, Envoy with the stage, and kvroute with one
+# of its two wasm parts taken out (without the sync service the filter finds no worker
+# table and sets no destination; either way Envoy's fallback policy routes). Run only when
+# named in --lines.
+REFERENCE_LINES = [
+    ("envoy_round_robin", "envoy", {"stage": False, "filter": False, "sync": False}),
+    ("envoy_round_robin_stage", "envoy", {"stage": True, "filter": False, "sync": False}),
+    ("kvroute_sync_only", "envoy", {"stage": True, "filter": False, "sync": True}),
+    ("kvroute_filter_only", "envoy", {"stage": True, "filter": True, "sync": False}),
 ]
 VERSIONS = {**PINS, "dynamo": " ".join(DYNAMO_PINS)}
 # Per-process CPU that is not the router's: Dynamo's per-engine relays stand in for code
@@ -296,6 +313,9 @@ def main():
     ap.add_argument("--keep-samples", action="store_true",
                     help="keep every run's per-request samples in <out>/samples/<workload>.<line>.json")
     ap.add_argument("--out", help="results folder (default: target/peers-results[-mocker])")
+    ap.add_argument("--background-cpu", type=float, default=0.0, metavar="CORES",
+                    help="keep a busy loop on this share of one core (0-1) while each line runs: "
+                         "what a router's CPU alone would do to the engines' latency")
     ap.add_argument("--merge", action="store_true",
                     help="keep the runs already in <out>/results.json that this run does not redo "
                          "(same workload and line); plots keep only this run's lines")
@@ -317,7 +337,8 @@ def main():
     wl_args = argparse.Namespace(workers=args.workers, groups=args.groups, per_group=args.per_group,
                                  blocks=args.blocks, speedup=args.speedup, quick=False, workloads=args.workloads,
                                  trace=str(rq.TRACE), trace_requests=2000, mooncake_blocks=8192)
-    lines = rq.named(LINES + [kvroute_line(spec) for spec in args.kvroute], args.lines, "lines")
+    lines = LINES + [kvroute_line(spec) for spec in args.kvroute]
+    lines = rq.named(lines + REFERENCE_LINES, args.lines, "lines") if args.lines else lines
     procs = Processes()
     results, failed = [], []
     t_start = time.time()
@@ -359,31 +380,57 @@ def main():
     print(f"\n{len(results)} runs, {len(failed)} failed, in {time.time() - t_start:.0f} s; results in {out}")
 
 
+def background_cpu(cores):
+    """A busy loop on `cores` (0-1) of one core, in 10 ms periods; None for 0."""
+    if cores <= 0:
+        return None
+    loop = ("import time\nwhile True:\n t = time.perf_counter()\n"
+            f" while time.perf_counter() - t < {0.01 * min(cores, 1.0)}: pass\n"
+            f" time.sleep({0.01 * (1 - min(cores, 1.0))})\n")
+    return subprocess.Popen([sys.executable, "-c", loop])
+
+
 def run_line(args, procs, fleet, port, line, wname, wargs, settings, out):
     """One line on one workload: its router started in front of empty engines, the
     workload driven through it, the router stopped. (summary, samples or None)."""
     label, kind, how = line
     speedup = settings["speedup"]
     engines, sidecar, router = fleet.for_line(settings, kind, port)
-    if kind == "kvroute":
+    if kind in ("kvroute", "envoy"):
+        parts = {"stage": True, "filter": True, "sync": True} if kind == "kvroute" else how
         # A new stage per line, as every peer is a new process: no line starts with
         # another's tokenizer cache.
-        stage = procs.add(Tokenizer(models=[(MODEL, TOKENIZER_DIR, [])], max_model_len=settings["blocks"] * 16))
-        cfg, lp, adm = render_config(engines, sidecar.port, {"block_size": 16, **how}, listener_port=port,
-                                     policy="kvroute", sync_config={"poll_timeout_ms": 5000, "stale_after_ms": 15000},
-                                     tokenizer_port=stage.grpc_port)
+        stage = procs.add(Tokenizer(models=[(MODEL, TOKENIZER_DIR, [])], max_model_len=settings["blocks"] * 16)) \
+            if parts["stage"] else None
+        kvroute_parts = parts["filter"] or parts["sync"]
+        cfg, lp, adm = render_config(engines, sidecar.port, {"block_size": 16, **(how if kind == "kvroute" else {})},
+                                     listener_port=port, policy="kvroute" if kvroute_parts else "round_robin",
+                                     sync_config={"poll_timeout_ms": 5000, "stale_after_ms": 15000},
+                                     tokenizer_port=stage.grpc_port if stage else None)
+        if kvroute_parts and not parts["filter"]:
+            hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+            hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] != "envoy.filters.http.wasm"]
+        if kvroute_parts and not parts["sync"]:
+            del cfg["bootstrap_extensions"]
         router = procs.add(Envoy(cfg, lp, adm, concurrency=2))
-        wait_synced(router, sidecar)
-        metered = [router, stage, sidecar]
+        if parts["sync"]:
+            wait_synced(router, sidecar)
+        metered = [router] + ([stage] if stage else []) + ([sidecar] if parts["sync"] else [])
     elif kind == "dynamo":
         router = router or procs.add(DynamoRouter(engines, port, force_usage=args.client == "fleet_load"))
         metered = [router]
     else:
         router = procs.add(Peer(kind, how, engines, port))
         metered = [router]
-    cpu0 = [cpu_by_process(p) for p in metered]
-    t0 = time.time()
-    r, samples = drive(args, f"127.0.0.1:{port}", label, wname, wargs, engines, out)
+    burner = background_cpu(args.background_cpu)
+    try:
+        cpu0 = [cpu_by_process(p) for p in metered]
+        t0 = time.time()
+        r, samples = drive(args, f"127.0.0.1:{port}", label, wname, wargs, engines, out)
+    finally:
+        if burner:
+            burner.kill()
+            burner.wait()
     # Per process (kvroute: Envoy, the stage, the sidecar), ms per request.
     per_request = {}
     for p, c0 in zip(metered, cpu0):
@@ -393,7 +440,7 @@ def run_line(args, procs, fleet, port, line, wname, wargs, settings, out):
     if kind == "dynamo":
         # The engines' (the mockers') KV events Dynamo's router applied, by status.
         peer_events = events_applied(port)
-    if kind == "kvroute":
+    if kind == "kvroute" or (kind == "envoy" and how["filter"]):
         wait_for(lambda: router.stat("kvroute.requests") >= r["requests"], what="the filters' counters")
         scored = router.stat("kvroute.scored")
     r.update({"workload": wname, "policy": label, "router": kind, "sim": args.sim, "client": args.client,

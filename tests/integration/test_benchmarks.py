@@ -111,6 +111,25 @@ def test_peers_run_against_the_same_fleet(tmp_path):
     assert merged["dynamo_kv"] == runs["dynamo_kv"] and again["config"]["merged"][0]["lines"] == "kvroute_w1"
 
 
+def test_peers_reference_lines_take_kvroute_apart(tmp_path):
+    """The reference lines: Envoy alone, and kvroute without its filter or without its
+    sync service, each metered for the processes it runs; a busy loop beside them."""
+    lines = "envoy_round_robin,envoy_round_robin_stage,kvroute_sync_only,kvroute_filter_only"
+    out, runs = run_peers(tmp_path, "--lines", lines, "--speedup", "8", "--background-cpu", "0.05")
+    assert out["config"]["background_cpu"] == 0.05 and set(runs) == set(lines.split(","))
+    procs = {k: set(v["router_cpu_ms_per_request_by_process"]) for k, v in runs.items()}
+    assert procs == {"envoy_round_robin": {"envoy"}, "envoy_round_robin_stage": {"envoy", "tokenizer"},
+                     "kvroute_sync_only": {"envoy", "tokenizer", "sidecar"},
+                     "kvroute_filter_only": {"envoy", "tokenizer"}}, procs
+    # Without the sync service the filter has no worker table: it sees every request and
+    # scores none (Envoy's fallback policy routes).
+    assert runs["kvroute_filter_only"]["scored"] == 0
+    # An unknown line still ends the run.
+    r = subprocess.run([sys.executable, str(ROOT / "benches" / "peers.py"), "--lines", "kvroute_w1,nope",
+                        "--out", str(tmp_path / "x")], capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "unknown lines: nope" in r.stderr, r.stderr[-500:]
+
+
 def test_peers_run_on_dynamos_mocker(tmp_path):
     """The second engine simulator: Dynamo's mocker, kvroute's sidecar subscribed to its
     vLLM-format events, and Dynamo deployed on the mockers as its users run it."""

@@ -112,3 +112,23 @@ fn no_cache_tokenizes_the_same() {
     assert_eq!(model.encode_unbounded(&t, false).unwrap(), want);
     assert_eq!(model.cache_stats().entries, 0);
 }
+
+#[test]
+fn cached_and_unseen_pieces_of_one_text_keep_their_order() {
+    // A segment seen before between two never seen (added tokens separate segments, each
+    // cut on its own): looked-up and freshly tokenized pieces come out in the text's order.
+    let model = qwen3(64 << 20);
+    let mut rng = Rng(11);
+    let seen = text(&mut rng, 6 * CHUNK_BYTES).replace("<|im_end|>", "").replace("<think>", "");
+    model.encode_unbounded(&seen, false).unwrap();
+    for i in 0..20 {
+        let (a, c) = (text(&mut rng, CHUNK_BYTES * (2 + i % 7)), text(&mut rng, CHUNK_BYTES * (1 + i % 5)));
+        let t = format!("{a}<|im_end|>{seen}<|im_end|>{c}");
+        let before = model.cache_stats();
+        let got = model.encode_unbounded(&t, false).unwrap();
+        let want = model.tokenizer().encode_fast(t.as_str(), false).unwrap().get_ids().to_vec();
+        assert_eq!(got, want, "text {i}");
+        let after = model.cache_stats();
+        assert!(after.hits - before.hits >= (seen.len() / CHUNK_BYTES) as u64 - 1, "{before:?} -> {after:?}");
+    }
+}
