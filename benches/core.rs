@@ -7,10 +7,10 @@ use kvroute::config::FilterConfig;
 use kvroute::feed::{FeedBlock, FeedWorker, Frame, Op};
 use kvroute::hash::block_hashes_le;
 use kvroute::index::{publish, SyncIndex};
-use kvroute::layout::Role;
-use kvroute::memstore::MemStore;
+use kvroute::role::Role;
 use kvroute::router::{Router, TokenSource};
 use kvroute::score::{rank, worker_key, Candidate, Weights};
+use kvroute::store::MemStore;
 use kvroute::tokens::{decode_tokens, encode_base64, encode_decimal, TokenEncoding};
 
 const SIZES: [usize; 3] = [1024, 8192, 32768];
@@ -164,9 +164,10 @@ fn routing(c: &mut Criterion) {
 /// Every block of the request in flight on every worker (a shared prefix served by the
 /// whole fleet): the case whose cost grows with (blocks × workers) in flight.
 fn replicated_in_flight(store: &MemStore, request: &[u32], workers: u16) {
+    use kvroute::hash::segments;
     use kvroute::inflight::{apply, keys, Change};
-    use kvroute::layout::{bucket_key, bucket_of, encode_bucket, segments, Bucket};
-    use kvroute::router::SharedStore;
+    use kvroute::layout::{bucket_key, bucket_of, encode_bucket, Bucket};
+    use kvroute::store::SharedStore;
     let hashes = kvroute::hash::block_hashes(request, 16);
     let slots: Vec<u16> = (0..workers).collect();
     for seg in segments(hashes.len()) {

@@ -12,9 +12,10 @@
 use kvroute::config::FilterConfig;
 use kvroute::feed::{FeedBlock, FeedWorker, Frame, FrameKind, Op};
 use kvroute::index::{publish, SyncIndex};
-use kvroute::layout::{Role, DEFAULT_BUCKETS};
-use kvroute::memstore::MemStore;
+use kvroute::layout::DEFAULT_BUCKETS;
+use kvroute::role::Role;
 use kvroute::router::{Router, TokenSource};
+use kvroute::store::MemStore;
 use kvroute::tokens::{encode_base64, TokenEncoding};
 use std::time::Instant;
 

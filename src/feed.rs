@@ -4,7 +4,8 @@
 //! against the bytes actually present before anything is allocated or decoded, so a
 //! truncated or hostile frame is an error, never a panic or a huge allocation.
 
-use crate::layout::{LayoutError, Reader, Role};
+use crate::layout::{LayoutError, Reader};
+use crate::role::Role;
 use crate::wire::capacity_for;
 use std::fmt;
 
@@ -33,7 +34,7 @@ pub struct FeedWorker {
 }
 
 /// A block as the feed names it: its router hash and the hash of its segment's anchor
-/// (the block at [`crate::layout::anchor_position`] of its chain), which picks its bucket.
+/// (the block at [`crate::hash::anchor_position`] of its chain), which picks its bucket.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct FeedBlock {
     pub hash: u64,
@@ -49,9 +50,14 @@ impl FeedBlock {
 
     /// [`FeedBlock::chain`] in a namespace ([`crate::hash::namespace`]).
     pub fn chain_in(tokens: &[u32], block_size: usize, namespace: u64) -> Vec<FeedBlock> {
-        let hashes = crate::hash::block_hashes_in(tokens, block_size, namespace);
-        (0..hashes.len())
-            .map(|i| FeedBlock { hash: hashes[i], anchor: hashes[crate::layout::anchor_position(i)] })
+        let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
+        let mut chain = crate::hash::Chain::start(namespace);
+        bytes
+            .chunks_exact(block_size.max(1) * 4)
+            .map(|block| {
+                let b = chain.push(block);
+                FeedBlock { hash: b.hash, anchor: b.anchor }
+            })
             .collect()
     }
 }

@@ -1,4 +1,6 @@
-//! Block hashing: the one implementation the filter and the sidecar share.
+//! Block identity: the one implementation the filter, the sync service and the sidecar
+//! share: how a block is hashed, chained onto its parent, placed in a namespace, and which
+//! segment (and so which shared-data bucket) it belongs to.
 //!
 //! A prompt is cut into blocks of `block_size` tokens (the engines' `--block-size` /
 //! `--page-size`); the trailing partial block is not hashed, as the engines do not cache
@@ -20,7 +22,14 @@
 //! instead of nothing: `seq_0 = xxh3_64_with_seed(le_u64(ns) ++ le_u64(local_0), 1337)`
 //! when `ns` ≠ 0 ([`namespace`]); the base model is `ns = 0` and keeps `seq_0 = local_0`.
 //! Test vectors: `tests/vectors/block_hashes.json`.
+//!
+//! **Segments.** A chain's blocks are grouped into segments whose lengths double,
+//! `[0,32) [32,64) [64,128) …` ([`segments`]); a block is filed under its segment's first
+//! block, its *anchor* ([`anchor_position`]). [`Chain`] extends a chain block by block
+//! and gives each block its hash, anchor and position: the feed's and the sidecar's
+//! blocks come from it, and [`block_hashes_le`] (the request path) from the same steps.
 
+use std::ops::Range;
 use xxhash_rust::xxh3::{xxh3_64_with_seed, Xxh3};
 
 /// Seed of both hashes (Dynamo's `XXH3_SEED`).
@@ -51,6 +60,81 @@ pub fn seq_hash(parent_seq: Option<u64>, block_le: &[u8]) -> u64 {
     match parent_seq {
         None => local,
         Some(parent) => chain_hash(parent, local),
+    }
+}
+
+/// Blocks in the first segment; each later segment is as long as everything before it.
+pub const SEGMENT_BASE_BLOCKS: usize = 32;
+
+/// Position of the anchor (first block) of the segment holding block `pos`.
+#[inline]
+pub fn anchor_position(pos: usize) -> usize {
+    if pos < SEGMENT_BASE_BLOCKS {
+        0
+    } else {
+        // Largest SEGMENT_BASE_BLOCKS * 2^k <= pos.
+        let k = usize::BITS - 1 - (pos / SEGMENT_BASE_BLOCKS).leading_zeros();
+        SEGMENT_BASE_BLOCKS << k
+    }
+}
+
+/// The segments of a request of `n_blocks` blocks, in order.
+pub fn segments(n_blocks: usize) -> impl Iterator<Item = Range<usize>> {
+    let mut start = 0usize;
+    std::iter::from_fn(move || {
+        if start >= n_blocks {
+            return None;
+        }
+        let end = if start == 0 { SEGMENT_BASE_BLOCKS } else { start * 2 };
+        let r = start..end.min(n_blocks);
+        start = end;
+        Some(r)
+    })
+}
+
+/// A block's identity: its chain hash, its segment's anchor, and its 0-based position.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BlockId {
+    pub hash: u64,
+    pub anchor: u64,
+    pub pos: u32,
+}
+
+/// A chain being extended one block at a time.
+#[derive(Clone, Copy, Debug)]
+pub struct Chain {
+    /// The last block so far; `None` at the start.
+    last: Option<BlockId>,
+    /// What the first block hangs off ([`root_parent`]).
+    root: Option<u64>,
+}
+
+impl Chain {
+    /// A chain's start, in `namespace`.
+    pub fn start(namespace: u64) -> Chain {
+        Chain { last: None, root: root_parent(namespace) }
+    }
+
+    /// The rest of a chain whose last block so far is `parent` (its namespace is in its hash).
+    pub fn after(parent: BlockId) -> Chain {
+        Chain { last: Some(parent), root: None }
+    }
+
+    /// Appends a block (its tokens as little-endian `u32` bytes) and names it.
+    #[inline]
+    pub fn push(&mut self, block_le: &[u8]) -> BlockId {
+        let (parent, pos) = match self.last {
+            Some(p) => (Some(p.hash), p.pos.saturating_add(1)),
+            None => (self.root, 0),
+        };
+        let hash = seq_hash(parent, block_le);
+        let anchor = match self.last {
+            Some(p) if anchor_position(pos as usize) != pos as usize => p.anchor,
+            _ => hash,
+        };
+        let id = BlockId { hash, anchor, pos };
+        self.last = Some(id);
+        id
     }
 }
 
@@ -92,12 +176,8 @@ pub fn block_hashes_le(tokens_le: &[u8], block_size: usize, namespace: u64, out:
     out.clear();
     let block_bytes = block_size.max(1) * 4;
     out.reserve(tokens_le.len() / block_bytes);
-    let mut parent = root_parent(namespace);
-    for block in tokens_le.chunks_exact(block_bytes) {
-        let h = seq_hash(parent, block);
-        out.push(h);
-        parent = Some(h);
-    }
+    let mut chain = Chain::start(namespace);
+    out.extend(tokens_le.chunks_exact(block_bytes).map(|block| chain.push(block).hash));
 }
 
 /// [`block_hashes_le`] for token ids held as `u32`s, in the base namespace (tests' form).
@@ -118,6 +198,42 @@ mod tests {
     use super::*;
     #[cfg(target_arch = "wasm32")]
     use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    #[test]
+    fn segments_double() {
+        let s: Vec<_> = segments(300).collect();
+        assert_eq!(s, vec![0..32, 32..64, 64..128, 128..256, 256..300]);
+        assert_eq!(segments(0).count(), 0);
+        assert_eq!(segments(5).collect::<Vec<_>>(), vec![0..5]);
+        assert_eq!(segments(128).count(), 3); // 2k tokens at block size 16
+        assert_eq!(segments(2048).count(), 7); // 32k tokens
+        for seg in segments(5000) {
+            for p in seg.clone() {
+                assert_eq!(anchor_position(p), seg.start, "pos {p}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_chain_resumed_after_any_block_names_the_rest_alike() {
+        let tokens: Vec<u32> = (0..16 * 300u32).map(|i| i.wrapping_mul(2_654_435_761) >> 7).collect();
+        let le: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
+        for ns in [BASE_NAMESPACE, namespace(Some(b"sql-lora"), None)] {
+            let mut chain = Chain::start(ns);
+            let whole: Vec<BlockId> = le.chunks_exact(64).map(|b| chain.push(b)).collect();
+            assert_eq!(whole.iter().map(|b| b.hash).collect::<Vec<_>>(), block_hashes_in(&tokens, 16, ns));
+            for (i, b) in whole.iter().enumerate() {
+                assert_eq!(b.pos as usize, i);
+                assert_eq!(b.anchor, whole[anchor_position(i)].hash, "block {i}");
+            }
+            // Split anywhere (as events split a chain), the rest is named the same.
+            for cut in [1, 31, 32, 33, 64, 127, 128, 299] {
+                let mut rest = Chain::after(whole[cut - 1]);
+                let again: Vec<BlockId> = le.chunks_exact(64).skip(cut).map(|b| rest.push(b)).collect();
+                assert_eq!(again, whole[cut..], "cut at {cut}");
+            }
+        }
+    }
 
     #[derive(serde::Deserialize)]
     struct Vectors {

@@ -10,8 +10,8 @@ use crate::layout::{
     bucket_key, bucket_of, encode_bucket, Bucket, FlyEntry, IndexPart, SlotState, WorkerSlot, WorkerTable, FLY_ENTRY,
     TABLE_KEY,
 };
-use crate::router::{SharedStore, StoreError, CAS_ATTEMPTS};
 use crate::slots::MAX_SLOTS;
+use crate::store::{update, Edit, SharedStore};
 use std::fmt;
 
 /// Why a frame was not applied. The sync service then asks for a fresh snapshot.
@@ -717,33 +717,28 @@ pub fn publish_within(index: &mut SyncIndex, store: &dyn SharedStore, budget_byt
 
 /// Writes bucket `b`'s index part; the bytes written, or `None` if the store refused.
 fn write_bucket(index: &SyncIndex, store: &dyn SharedStore, b: u32) -> Option<usize> {
-    let key = bucket_key(b);
     let (mask_words, tiered, n, raw) = index.encode_idx(b);
     let part = IndexPart { mask_words, tiered, n, raw: &raw };
     let mut fly = Vec::new();
-    for _ in 0..CAS_ATTEMPTS {
-        let Ok((cur, cas)) = store.get(&key) else { return None };
-        let cur = cur.unwrap_or_default();
+    let edit = |cur: &[u8]| {
         // A value that does not decode (nothing of ours writes one) loses its in-flight
         // part: the index must be written regardless.
-        let parsed = Bucket::parse(&cur).unwrap_or(Bucket::EMPTY);
+        let parsed = Bucket::parse(cur).unwrap_or(Bucket::EMPTY);
         let (n_old, old) = parsed.fly_raw();
         let n_fly = index.drop_confirmed(b, old, n_old, &mut fly);
         let value = encode_bucket(part, n_fly, &fly, parsed.sweep_at_ms());
-        match store.set(&key, &value, Some(cas.unwrap_or(0))) {
-            Ok(()) => return Some(value.len()),
-            Err(StoreError::CasMismatch) => continue,
-            Err(StoreError::Other(_)) => return None,
-        }
-    }
-    None
+        let len = value.len();
+        Ok::<_, ()>(Edit::Write(value, len))
+    };
+    update(store, &bucket_key(b), None, &mut 0, edit).ok()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::feed::{FeedBlock, FeedWorker};
-    use crate::layout::{encode_bucket, Bucket, IndexPart, Role};
+    use crate::layout::{encode_bucket, Bucket, IndexPart};
+    use crate::role::Role;
     use crate::slots::SlotSet;
     #[cfg(target_arch = "wasm32")]
     use wasm_bindgen_test::wasm_bindgen_test as test;
@@ -999,7 +994,7 @@ mod tests {
 
     #[test]
     fn publishing_within_a_budget_ends_where_one_publish_does() {
-        use crate::memstore::MemStore;
+        use crate::store::MemStore;
         let blocks: Vec<FeedBlock> = (1..=200u64).map(|h| FeedBlock { hash: h, anchor: h * 7919 }).collect();
         let snapshot = frame(
             FrameKind::SnapshotStart,
@@ -1042,7 +1037,7 @@ mod tests {
 
     #[test]
     fn a_fresh_index_publishes_nothing_until_the_feed_answers() {
-        use crate::memstore::MemStore;
+        use crate::store::MemStore;
         let store = MemStore::new();
         let mut ix = SyncIndex::new(16);
         assert!(!ix.has_unpublished());
@@ -1059,7 +1054,7 @@ mod tests {
 
     #[test]
     fn a_paged_snapshot_is_published_whole() {
-        use crate::memstore::MemStore;
+        use crate::store::MemStore;
         let store = MemStore::new();
         let mut ix = SyncIndex::new(16);
         let delta = frame(
@@ -1115,7 +1110,7 @@ mod tests {
     #[test]
     fn confirmed_predictions_are_dropped_on_publish() {
         use crate::layout::fly_raw_of;
-        use crate::memstore::MemStore;
+        use crate::store::MemStore;
         let store = MemStore::new();
         let mut ix = SyncIndex::new(16);
         ix.apply(&frame(FrameKind::SnapshotStart, 0, 1, vec![worker("a:1"), worker("b:1")], vec![])).unwrap();

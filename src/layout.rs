@@ -11,21 +11,18 @@
 //! | `kvroute.b.{0..n_buckets}` | sync + filters (CAS) | [`Bucket`]: cached blocks and in-flight/predicted blocks |
 //!
 //! Blocks are grouped into *segments* of a request's block sequence whose lengths double:
-//! `[0,32) [32,64) [64,128) [128,256) …` (see [`segments`]). All blocks of one segment go to
+//! `[0,32) [32,64) [64,128) [128,256) …` (see [`crate::hash::segments`]). All blocks of one segment go to
 //! the bucket of the segment's first block (its *anchor*), so scoring a request reads one
 //! bucket per segment — 3 reads for 2k tokens, 7 for 32k — and stops at the first segment
 //! nobody holds. The full format is in `docs/shared-data.md`.
 
+use crate::role::Role;
 use crate::slots::{SlotSet, MAX_SLOTS};
 use std::fmt;
-use std::ops::Range;
 
 pub const TABLE_KEY: &str = "kvroute.workers";
 pub const LOAD_KEY: &str = "kvroute.load";
 const BUCKET_KEY_PREFIX: &str = "kvroute.b.";
-
-/// Blocks in the first segment; each later segment is as long as everything before it.
-pub const SEGMENT_BASE_BLOCKS: usize = 32;
 
 /// Default number of index buckets (keys). Power of two. A decision reads a fixed number
 /// of buckets, so what it costs grows with the entries per bucket: 16384 keeps that ≤ ~600
@@ -43,32 +40,6 @@ pub fn bucket_key(b: u32) -> String {
 pub fn bucket_of(anchor: u64, n_buckets: u32) -> u32 {
     // xxh3 output is well mixed; folding the halves keeps both in play for small masks.
     ((anchor ^ (anchor >> 32)) as u32) & (n_buckets.max(1) - 1)
-}
-
-/// Position of the anchor (first block) of the segment holding block `pos`.
-#[inline]
-pub fn anchor_position(pos: usize) -> usize {
-    if pos < SEGMENT_BASE_BLOCKS {
-        0
-    } else {
-        // Largest SEGMENT_BASE_BLOCKS * 2^k <= pos.
-        let k = usize::BITS - 1 - (pos / SEGMENT_BASE_BLOCKS).leading_zeros();
-        SEGMENT_BASE_BLOCKS << k
-    }
-}
-
-/// The segments of a request of `n_blocks` blocks, in order.
-pub fn segments(n_blocks: usize) -> impl Iterator<Item = Range<usize>> {
-    let mut start = 0usize;
-    std::iter::from_fn(move || {
-        if start >= n_blocks {
-            return None;
-        }
-        let end = if start == 0 { SEGMENT_BASE_BLOCKS } else { start * 2 };
-        let r = start..end.min(n_blocks);
-        start = end;
-        Some(r)
-    })
 }
 
 /// A shared-data value that could not be decoded. The filter routes by load and counts it.
@@ -127,31 +98,6 @@ pub(crate) fn le_u64(b: &[u8]) -> u64 {
 
 // ---------------------------------------------------------------------------------------
 // Worker table
-
-/// What a worker does in a prefill/decode (PD) disaggregated fleet.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Role {
-    Both = 0,
-    Prefill = 1,
-    Decode = 2,
-}
-
-impl Role {
-    pub fn from_u8(v: u8) -> Option<Role> {
-        match v {
-            0 => Some(Role::Both),
-            1 => Some(Role::Prefill),
-            2 => Some(Role::Decode),
-            _ => None,
-        }
-    }
-    pub fn can_prefill(self) -> bool {
-        matches!(self, Role::Both | Role::Prefill)
-    }
-    pub fn can_decode(self) -> bool {
-        matches!(self, Role::Both | Role::Decode)
-    }
-}
 
 /// A slot's state in the table.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -706,21 +652,6 @@ mod tests {
     use super::*;
     #[cfg(target_arch = "wasm32")]
     use wasm_bindgen_test::wasm_bindgen_test as test;
-
-    #[test]
-    fn segments_double() {
-        let s: Vec<_> = segments(300).collect();
-        assert_eq!(s, vec![0..32, 32..64, 64..128, 128..256, 256..300]);
-        assert_eq!(segments(0).count(), 0);
-        assert_eq!(segments(5).collect::<Vec<_>>(), vec![0..5]);
-        assert_eq!(segments(128).count(), 3); // 2k tokens at block size 16
-        assert_eq!(segments(2048).count(), 7); // 32k tokens
-        for seg in segments(5000) {
-            for p in seg.clone() {
-                assert_eq!(anchor_position(p), seg.start, "pos {p}");
-            }
-        }
-    }
 
     #[test]
     fn table_round_trip_and_rejects_garbage() {

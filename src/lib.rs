@@ -4,13 +4,16 @@
 //! natively, and the sidecar links it for the same hashing and feed encoding.
 //!
 //! - [`tokens`]: token-id headers → little-endian token bytes
-//! - [`hash`]: chained XXH3-64 block hashes (shared with the sidecar)
+//! - [`hash`]: block identity: chained XXH3-64 hashes, namespaces, segments (shared with
+//!   the sidecar)
+//! - [`role`]: a worker's role (prefill, decode, both)
 //! - [`score`]: the cost function and ranking
 //! - [`layout`]: the shared-data layout the sync service writes and the filter reads
 //! - [`inflight`]: in-flight / predicted blocks and `active_blocks`
 //! - [`scan`]: `cache_hits` per worker over one segment bucket
-//! - [`router`]: one routing decision over a [`router::SharedStore`]
-//! - [`memstore`]: an in-process store with the host's semantics (tests, benches)
+//! - [`router`]: one routing decision over a [`store::SharedStore`]
+//! - [`store`]: the shared-data store, its read-modify-write loop, and an in-process
+//!   store with the host's semantics (tests, benches)
 //! - [`feed`]: the sidecar → sync service frame format
 //! - [`index`]: the sync service's model of the fleet
 //! - [`config`]: plugin configuration, validated
@@ -28,11 +31,12 @@ pub mod hash;
 pub mod index;
 pub mod inflight;
 pub mod layout;
-pub mod memstore;
+pub mod role;
 pub mod router;
 pub mod scan;
 pub mod score;
 pub mod slots;
+pub mod store;
 pub mod tokens;
 pub mod wire;
 

@@ -6,37 +6,20 @@
 //! time and the tie-break seed passed in.
 
 use crate::config::{ActiveBlocks, FilterConfig, Mode};
-use crate::hash::block_hashes_le;
+use crate::hash::{block_hashes_le, segments};
 use crate::inflight::{self, ActiveDelta, Change};
 use crate::layout::{
-    begin_bucket, bucket_key, bucket_of, finish_bucket, prefill_epoch, segments, Bucket, LoadVector, PrefillChange,
-    Role, SlotState, WorkerTable, LOAD_KEY, TABLE_KEY,
+    begin_bucket, bucket_key, bucket_of, finish_bucket, prefill_epoch, Bucket, LoadVector, PrefillChange, SlotState,
+    WorkerTable, LOAD_KEY, TABLE_KEY,
 };
+use crate::role::Role;
 use crate::scan::{scan_segment, Scan};
 use crate::score::{rank, worker_key, Candidate, RankOutcome, Scored, Weights};
 use crate::slots::{SlotSet, MAX_SLOTS};
+use crate::store::{update, Edit, SharedStore, UpdateError, Versioned};
 use crate::tokens::{decode_tokens, TokenEncoding, TokenError};
 use std::fmt::Write as _;
 use std::rc::Rc;
-
-/// A shared-data write that did not happen.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum StoreError {
-    /// Someone else wrote the key since it was read: read again and redo.
-    CasMismatch,
-    Other(String),
-}
-
-/// Process-wide key/value data with compare-and-swap, as proxy-wasm shared data.
-/// `get` returns the value and its CAS token; `set` with `Some(cas)` fails with
-/// [`StoreError::CasMismatch`] if the key changed since.
-pub trait SharedStore {
-    fn get(&self, key: &str) -> Result<(Option<Vec<u8>>, Option<u32>), StoreError>;
-    fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError>;
-}
-
-/// Compare-and-swap attempts before an update is given up (and counted).
-pub(crate) const CAS_ATTEMPTS: u32 = 16;
 
 /// Why a request was not scored by KV cost. Each has a counter.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -257,10 +240,9 @@ impl Router {
         let table = &decoded.table;
         let hashes = self.prompt_hashes(tokens, table, &mut d);
         d.shared_reads += 1;
-        let load = match store.get(LOAD_KEY) {
-            Ok((v, cas)) => (LoadVector::decode(v.as_deref().unwrap_or(&[])), cas),
-            Err(_) => (LoadVector::default(), None),
-        };
+        // Kept as read: the update of the load vector after the decision starts from it.
+        let load_read = store.get(LOAD_KEY).ok();
+        let load = LoadVector::decode(load_read.as_ref().and_then(|(v, _)| v.as_deref()).unwrap_or(&[]));
 
         let (decode_set, prefill_set) = match self.cfg.mode {
             Mode::Aggregated => (up_slots(table, |r| r == Role::Both), SlotSet::EMPTY),
@@ -283,7 +265,7 @@ impl Router {
         let request = Request {
             keys: &decoded.keys,
             scan: &scan,
-            load: &load.0,
+            load: &load,
             blocks: d.request_blocks,
             key: hashes.first().copied().unwrap_or(entropy),
             epoch,
@@ -332,7 +314,7 @@ impl Router {
                 (self.tracks_prefill() && blocks > 0).then_some(charge)
             });
             chosen.sort_unstable();
-            d.held = self.acquire(store, &mut d, &hashes, table.n_buckets, chosen, prefill, scanned, load, now_ms);
+            d.held = self.acquire(store, &mut d, &hashes, table.n_buckets, chosen, prefill, scanned, load_read, now_ms);
         }
         d
     }
@@ -463,7 +445,7 @@ impl Router {
         slots: Vec<u16>,
         prefill: Option<PrefillChange>,
         scanned: Vec<ScannedBucket>,
-        load: (LoadVector, Option<u32>),
+        load_read: Option<Versioned>,
         now_ms: u64,
     ) -> Held {
         let change = Change::Acquire { lease_ms: self.cfg.inflight_lease_ms };
@@ -489,7 +471,7 @@ impl Router {
                 }
             }
         }
-        if update_load(store, &delta, prefill.as_slice(), prefill_epoch(now_ms), Some(load), &mut d.shared_reads) {
+        if update_load(store, &delta, prefill.as_slice(), prefill_epoch(now_ms), load_read, &mut d.shared_reads) {
             held.prefill = prefill;
         } else {
             d.update_failures += 1;
@@ -569,39 +551,30 @@ fn up_slots(table: &WorkerTable, role_ok: fn(Role) -> bool) -> SlotSet {
     s
 }
 
-/// Read-modify-write of bucket `b`'s in-flight part with compare-and-swap (see
-/// [`inflight::apply`]; with a sweep when due). The first read may come from the scan.
-/// Err(true) when the bucket could not be decoded.
+/// Read-modify-write of bucket `b`'s in-flight part (see [`inflight::apply`]; with a sweep
+/// when due). The first read may come from the scan. Err(true) when the bucket could not be
+/// decoded.
 fn update_bucket(
     store: &dyn SharedStore,
     b: u32,
-    mut first_read: Option<(Option<Vec<u8>>, Option<u32>)>,
+    first_read: Option<Versioned>,
     keys: &[inflight::Key],
     change: Change,
     now_ms: u64,
     reads: &mut u32,
 ) -> Result<ActiveDelta, bool> {
-    let key = bucket_key(b);
-    let (mut out, mut swept) = (Vec::new(), Vec::new());
-    for _ in 0..CAS_ATTEMPTS {
-        let (value, cas) = match first_read.take() {
-            Some(r) => r,
-            None => {
-                *reads += 1;
-                store.get(&key).map_err(|_| false)?
-            }
-        };
-        let value = value.unwrap_or_default();
-        let bucket = Bucket::parse(&value).map_err(|_| true)?;
+    let mut swept = Vec::new();
+    let edit = |value: &[u8]| {
+        let bucket = Bucket::parse(value).map_err(|_| ())?;
         let (n_fly, fly_raw) = bucket.fly_raw();
-        let index = bucket.index_part();
         let mut sweep_at = bucket.sweep_at_ms();
         let sweep = now_ms >= sweep_at;
         if sweep {
             // This writer's turn to sweep the whole bucket.
             sweep_at = now_ms.saturating_add(inflight::SWEEP_INTERVAL_MS);
         }
-        begin_bucket(&mut out, index, sweep_at);
+        let mut out = Vec::new();
+        begin_bucket(&mut out, bucket.index_part(), sweep_at);
         let (n, delta) = if sweep {
             swept.clear();
             let (n_live, mut delta) = inflight::sweep(fly_raw, n_fly, now_ms, &mut swept);
@@ -612,53 +585,34 @@ fn update_bucket(
             inflight::apply(fly_raw, n_fly, keys, change, now_ms, &mut out)
         };
         finish_bucket(&mut out, n);
-        if out == value {
-            return Ok(delta);
-        }
-        // The host treats CAS 0 as "unconditional". Keys exist from the sync service's
-        // start (it creates every bucket and the load key empty), so 0 only happens
-        // before that, when no table exists and nothing is routed yet.
-        match store.set(&key, &out, Some(cas.unwrap_or(0))) {
-            Ok(()) => return Ok(delta),
-            Err(StoreError::CasMismatch) => continue,
-            Err(StoreError::Other(_)) => return Err(false),
-        }
-    }
-    Err(false)
+        Ok(if out == value { Edit::Keep(delta) } else { Edit::Write(out, delta) })
+    };
+    // The host treats CAS 0 as "unconditional". Keys exist from the sync service's start
+    // (it creates every bucket and the load key empty), so 0 only happens before that,
+    // when no table exists and nothing is routed yet.
+    update(store, &bucket_key(b), first_read, reads, edit).map_err(|e| matches!(e, UpdateError::Rejected(())))
 }
 
 /// Applies per-slot changes of active blocks and of outstanding prefill (at the writer's
-/// `epoch`) to the load vector with compare-and-swap; the first attempt may use a value
-/// already read.
+/// `epoch`) to the load vector; the first attempt may use a value already read.
 fn update_load(
     store: &dyn SharedStore,
     delta: &ActiveDelta,
     prefill: &[PrefillChange],
     epoch: u32,
-    mut first_read: Option<(LoadVector, Option<u32>)>,
+    first_read: Option<Versioned>,
     reads: &mut u32,
 ) -> bool {
     if delta.is_zero() && prefill.iter().all(|c| c.blocks == 0) {
         return true;
     }
-    for _ in 0..CAS_ATTEMPTS {
-        let (mut load, cas) = match first_read.take() {
-            Some(r) => r,
-            None => {
-                *reads += 1;
-                let Ok((value, cas)) = store.get(LOAD_KEY) else { return false };
-                (LoadVector::decode(value.as_deref().unwrap_or(&[])), cas)
-            }
-        };
+    let edit = |value: &[u8]| {
+        let mut load = LoadVector::decode(value);
         load.apply(&delta.0);
         load.apply_prefill(prefill, epoch);
-        match store.set(LOAD_KEY, &load.encode(), Some(cas.unwrap_or(0))) {
-            Ok(()) => return true,
-            Err(StoreError::CasMismatch) => continue,
-            Err(StoreError::Other(_)) => return false,
-        }
-    }
-    false
+        Ok::<_, ()>(Edit::Write(load.encode(), ()))
+    };
+    update(store, LOAD_KEY, first_read, reads, edit).is_ok()
 }
 
 #[cfg(test)]

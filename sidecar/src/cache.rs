@@ -42,8 +42,7 @@
 use crate::events::{BlockRemoved, BlockStored, ExtraKeys, GroupKind, Medium};
 use crate::table::HashTable;
 use kvroute::feed::FeedBlock;
-use kvroute::hash::{chain_hash, local_hash, namespace, root_parent, BASE_NAMESPACE};
-use kvroute::layout::anchor_position;
+use kvroute::hash::{namespace, BlockId, Chain, BASE_NAMESPACE};
 
 /// Copies are tracked per (KV-cache group, medium) in a 32-bit mask: 16 groups.
 pub const MAX_GROUPS: u32 = 16;
@@ -262,7 +261,7 @@ pub struct WorkerCache {
     /// Scratch for `apply_stored`: one router block's token bytes, one engine block's
     /// router blocks (hash, anchor, position).
     block_le: Vec<u8>,
-    routers: Vec<(u64, u64, u32)>,
+    routers: Vec<BlockId>,
 }
 
 fn copy_bit(group: u32, medium: Medium) -> u32 {
@@ -328,8 +327,8 @@ impl WorkerCache {
             Ok(ns) => ns,
             Err(outcome) => return outcome,
         };
-        let (mut parent_hash, mut parent_pos) = match ev.parent {
-            None => (None, None),
+        let mut chain = match ev.parent {
+            None => Chain::start(chain_namespace),
             Some(p) => {
                 let Some(router) = main_entry(&r.engine, p).map(|e| e.router) else {
                     return Outcome::UnknownParent;
@@ -337,7 +336,7 @@ impl WorkerCache {
                 let Some(rb) = self.blocks.get(&router) else {
                     return Outcome::UnknownParent;
                 };
-                (Some((router, rb.anchor)), Some(rb.pos))
+                Chain::after(BlockId { hash: router, anchor: rb.anchor, pos: rb.pos })
             }
         };
         let (block_le, routers) = (&mut self.block_le, &mut self.routers);
@@ -347,26 +346,13 @@ impl WorkerCache {
             for sub in tokens.chunks_exact(rbs) {
                 block_le.clear();
                 block_le.extend(sub.iter().flat_map(|t| t.to_le_bytes()));
-                let local = local_hash(block_le);
-                let pos = parent_pos.map_or(0, |p: u32| p.saturating_add(1));
-                // A chain's first block hangs off its namespace (kvroute::hash).
-                let hash = match parent_hash.map(|p| p.0).or(root_parent(chain_namespace)) {
-                    None => local,
-                    Some(ph) => chain_hash(ph, local),
-                };
-                let anchor = match parent_hash {
-                    Some((_, pa)) if anchor_position(pos as usize) != pos as usize => pa,
-                    _ => hash,
-                };
-                routers.push((hash, anchor, pos));
-                parent_hash = Some((hash, anchor));
-                parent_pos = Some(pos);
+                routers.push(chain.push(block_le));
             }
             let span = routers.len() as u32;
             let gpu = bit & GPU_BITS != 0;
             match main_entry(&r.engine, engine_hash) {
                 // The chain hash of the last part names all of them.
-                Some(e) if e.router == routers[routers.len() - 1].0 && e.span == span => {
+                Some(e) if e.router == routers[routers.len() - 1].hash && e.span == span => {
                     r.add_copy(&mut self.blocks, engine_hash, e, bit, out);
                     continue;
                 }
@@ -379,7 +365,7 @@ impl WorkerCache {
                 }
                 None => {}
             }
-            for (j, &(hash, anchor, pos)) in routers.iter().enumerate() {
+            for (j, &BlockId { hash, anchor, pos }) in routers.iter().enumerate() {
                 let b = self.blocks.get_or_insert_with(hash, || {
                     let block = FeedBlock { hash, anchor };
                     out.push(if gpu { Change::Store(block) } else { Change::StoreOffloaded(block) });

@@ -3,7 +3,7 @@
 //! Reference: `sidecar/README.md`; example: `sidecar/sidecar.example.toml`.
 
 use clap::Parser;
-use kvroute::layout::Role;
+use kvroute::role::Role;
 use serde::Deserialize;
 use std::net::SocketAddr;
 use std::time::Duration;

@@ -8,7 +8,7 @@ use crate::config::{Config, WorkerConfig};
 use crate::events::{Batch, BatchReader, BatchTail, DecodeError, Event, GroupKind};
 use bytes::Bytes;
 use kvroute::feed::{FeedBlock, FeedWorker, Frame, FrameKind, Op};
-use kvroute::layout::Role;
+use kvroute::role::Role;
 use std::sync::{Mutex, MutexGuard};
 use std::time::Instant;
 use tokio::sync::watch;

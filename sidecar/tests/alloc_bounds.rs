@@ -7,7 +7,8 @@
 //! One test function: the counter is process-wide, and the harness runs tests on threads.
 
 use kvroute::feed::{FeedWorker, Frame, FrameKind};
-use kvroute::layout::{Role, WorkerTable};
+use kvroute::layout::WorkerTable;
+use kvroute::role::Role;
 use kvroute_sidecar::events::decode_batch;
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering};

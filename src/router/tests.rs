@@ -5,8 +5,9 @@ use crate::config::FilterConfig;
 use crate::feed::{FeedBlock, FeedWorker, Frame, Op};
 use crate::hash::block_hashes;
 use crate::index::SyncIndex;
-use crate::layout::{prefill_epoch, Role};
-use crate::memstore::MemStore;
+use crate::layout::prefill_epoch;
+use crate::role::Role;
+use crate::store::MemStore;
 use crate::tokens::encode_base64;
 #[cfg(target_arch = "wasm32")]
 use wasm_bindgen_test::wasm_bindgen_test as test;

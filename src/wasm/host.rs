@@ -1,6 +1,6 @@
 //! Host calls that cannot panic: every error becomes a value the caller handles.
 
-use crate::router::{SharedStore, StoreError};
+use crate::store::{SharedStore, StoreError, Versioned};
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::{BufferType, MapType, MetricType, Status};
 use std::time::UNIX_EPOCH;
@@ -53,7 +53,7 @@ pub fn add_response_header(name: &str, value: &str) -> bool {
 pub struct HostStore;
 
 impl SharedStore for HostStore {
-    fn get(&self, key: &str) -> Result<(Option<Vec<u8>>, Option<u32>), StoreError> {
+    fn get(&self, key: &str) -> Result<Versioned, StoreError> {
         hostcalls::get_shared_data(key).map_err(|s| StoreError::Other(format!("{s:?}")))
     }
     fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {

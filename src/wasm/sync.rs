@@ -11,7 +11,7 @@ use crate::config::SyncConfig;
 use crate::feed::{poll_path, Frame, FrameKind};
 use crate::index::{publish, SyncIndex};
 use crate::layout::{bucket_key, prefill_epoch, LoadVector, WorkerTable, LOAD_KEY, TABLE_KEY};
-use crate::router::SharedStore;
+use crate::store::SharedStore;
 use std::time::Duration;
 
 /// Also the pace of a publish spread over several calls (one slice per tick): measured,

@@ -2,7 +2,7 @@
 //! scale simulation: compare-and-swap token `0` (or `None`) is unconditional, every write
 //! gives the key a new token, and `get` copies the value as the host does.
 
-use crate::router::{SharedStore, StoreError};
+use super::{SharedStore, StoreError, Versioned};
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 
@@ -31,7 +31,7 @@ impl MemStore {
 }
 
 impl SharedStore for MemStore {
-    fn get(&self, key: &str) -> Result<(Option<Vec<u8>>, Option<u32>), StoreError> {
+    fn get(&self, key: &str) -> Result<Versioned, StoreError> {
         self.reads.set(self.reads.get() + 1);
         Ok(match self.map.borrow().get(key) {
             Some((v, c)) => (Some(v.clone()), Some(*c)),
@@ -52,5 +52,16 @@ impl SharedStore for MemStore {
         self.next_cas.set(next);
         map.insert(key.to_string(), (value.to_vec(), next));
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    #[test]
+    fn passes_the_store_suite() {
+        super::super::conformance::check_all(super::MemStore::new);
     }
 }
