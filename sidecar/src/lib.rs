@@ -3,7 +3,8 @@
 //! - [`events`] decodes the engines' msgpack payloads ([`msgpack`] is the reader);
 //! - [`cache`] mirrors one worker's cache in the router's hash space;
 //! - [`fleet`] holds every worker, the feed version and its [`changelog`];
-//! - [`ingest`] runs the ZMQ subscriptions (sequence checks, replay);
+//! - [`sequence`] decides, per event stream, what to apply, clear or replay (no I/O);
+//! - [`ingest`] is the ZMQ source: the subscriptions and replay connections;
 //! - [`server`], [`metrics`] and [`health`] are the HTTP side and liveness.
 
 pub mod cache;
@@ -15,5 +16,6 @@ pub mod health;
 pub mod ingest;
 pub mod metrics;
 pub mod msgpack;
+pub mod sequence;
 pub mod server;
 pub mod table;

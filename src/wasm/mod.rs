@@ -15,7 +15,9 @@ use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::ContextType;
 
 proxy_wasm::main! {{
-    // The host's log level is not readable during `_initialize`; see `on_configure`.
+    // The host's log level is not readable during `_initialize`; see `on_configure`. The
+    // first call also installs the SDK's panic hook: a panic is logged (critical) before
+    // the VM traps, never silent.
     proxy_wasm::set_log_level(proxy_wasm::types::LogLevel::Info);
     proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(Root::Unconfigured) });
 }}
