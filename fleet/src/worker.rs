@@ -124,10 +124,10 @@ struct Shared {
 
 impl Shared {
     fn engine(&self) -> MutexGuard<'_, Engine> {
-        self.engine.lock().unwrap_or_else(|p| p.into_inner())
+        kvroute_serve::lock(&self.engine)
     }
     fn streams(&self) -> MutexGuard<'_, HashMap<u64, mpsc::UnboundedSender<Output>>> {
-        self.streams.lock().unwrap_or_else(|p| p.into_inner())
+        kvroute_serve::lock(&self.streams)
     }
 
     /// One step's KV events as one batch on the publisher (if events are on).

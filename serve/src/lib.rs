@@ -1,6 +1,6 @@
 //! What kvroute's native services (the sidecar, the tokenizer stage, the fleet's mock
 //! engine) share, written once: serving HTTP/1.1 on a listener, stopping on Ctrl-C or
-//! SIGTERM, reading a TOML configuration file into its typed form.
+//! SIGTERM, reading a TOML configuration file into its typed form, locking shared state.
 
 use hyper::body::{Body, Incoming};
 use hyper::{Request, Response};
@@ -68,6 +68,13 @@ pub fn parse_toml<T: serde::de::DeserializeOwned>(text: &str) -> Result<T, Strin
 pub fn read_toml<T: serde::de::DeserializeOwned>(path: &str) -> Result<T, String> {
     let text = std::fs::read_to_string(path).map_err(|e| format!("--config {path}: {e}"))?;
     parse_toml(&text).map_err(|e| format!("{path}: {e}"))
+}
+
+/// Locks `m`, also after a thread panicked holding it: every value these services keep
+/// under a lock is consistent between statements (a panic cannot leave half an update),
+/// so serving on is better than failing every later request.
+pub fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 #[cfg(test)]

@@ -16,7 +16,7 @@ use tokio::sync::watch;
 /// The fleet behind its mutex. A panic elsewhere must not stop ingestion or serving; the
 /// state stays consistent because every mutation completes under one lock.
 pub fn lock(fleet: &Mutex<Fleet>) -> MutexGuard<'_, Fleet> {
-    fleet.lock().unwrap_or_else(|p| p.into_inner())
+    kvroute_serve::lock(fleet)
 }
 
 /// Why a worker's (rank's) state was thrown away and rebuilt from later events.

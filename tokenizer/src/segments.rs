@@ -20,6 +20,7 @@
 //! segments. The probe checks chunks too.
 
 use aho_corasick::{AhoCorasick, AhoCorasickBuilder, MatchKind};
+use kvroute_serve::lock;
 use lru::LruCache;
 use std::sync::Mutex;
 use tokenizers::Tokenizer;
@@ -194,10 +195,6 @@ impl Segmenter {
             Err("a probe text tokenizes differently in pieces than whole".into())
         }
     }
-}
-
-fn lock(c: &Mutex<Cache>) -> std::sync::MutexGuard<'_, Cache> {
-    c.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// Where the first chunk of `text` ends: before the first space between two ASCII letters

@@ -242,7 +242,7 @@ impl Renderer {
         f: impl FnOnce(&minijinja::Template<'_, '_>) -> Result<T, Error>,
     ) -> Result<T, String> {
         let name = Self::name_of(template);
-        let mut env = self.env.lock().unwrap_or_else(|p| p.into_inner());
+        let mut env = kvroute_serve::lock(&self.env);
         if env.get_template(&name).is_err() {
             env.add_template_owned(name.clone(), without_generation_tags(template))
                 .map_err(|e| format!("chat template does not compile: {e}"))?;
