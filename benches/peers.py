@@ -396,22 +396,19 @@ def run_line(args, procs, fleet, port, line, wname, wargs, settings, out):
     label, kind, how = line
     speedup = settings["speedup"]
     engines, sidecar, router = fleet.for_line(settings, kind, port)
-    if kind in ("kvroute", "envoy"):
-        parts = {"stage": True, "filter": True, "sync": True} if kind == "kvroute" else how
+    # The parts of kvroute (and of Envoy) a line runs: all for kvroute, a reference line's own.
+    parts = {"stage": True, "filter": True, "sync": True} if kind == "kvroute" else how if kind == "envoy" else None
+    if parts:
         # A new stage per line, as every peer is a new process: no line starts with
         # another's tokenizer cache.
         stage = procs.add(Tokenizer(models=[(MODEL, TOKENIZER_DIR, [])], max_model_len=settings["blocks"] * 16)) \
             if parts["stage"] else None
-        kvroute_parts = parts["filter"] or parts["sync"]
         cfg, lp, adm = render_config(engines, sidecar.port, {"block_size": 16, **(how if kind == "kvroute" else {})},
-                                     listener_port=port, policy="kvroute" if kvroute_parts else "round_robin",
+                                     listener_port=port,
+                                     policy="kvroute" if parts["filter"] or parts["sync"] else "round_robin",
                                      sync_config={"poll_timeout_ms": 5000, "stale_after_ms": 15000},
-                                     tokenizer_port=stage.grpc_port if stage else None)
-        if kvroute_parts and not parts["filter"]:
-            hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
-            hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] != "envoy.filters.http.wasm"]
-        if kvroute_parts and not parts["sync"]:
-            del cfg["bootstrap_extensions"]
+                                     tokenizer_port=stage.grpc_port if stage else None,
+                                     kvroute_filter=parts["filter"], kvroute_sync=parts["sync"])
         router = procs.add(Envoy(cfg, lp, adm, concurrency=2))
         if parts["sync"]:
             wait_synced(router, sidecar)
@@ -440,7 +437,7 @@ def run_line(args, procs, fleet, port, line, wname, wargs, settings, out):
     if kind == "dynamo":
         # The engines' (the mockers') KV events Dynamo's router applied, by status.
         peer_events = events_applied(port)
-    if kind == "kvroute" or (kind == "envoy" and how["filter"]):
+    if parts and parts["filter"]:
         wait_for(lambda: router.stat("kvroute.requests") >= r["requests"], what="the filters' counters")
         scored = router.stat("kvroute.scored")
     r.update({"workload": wname, "policy": label, "router": kind, "sim": args.sim, "client": args.client,

@@ -32,13 +32,15 @@ PREFIX_HASH_HEADER = "x-prefix-hash"
 
 
 def render_config(workers, feed_port, filter_config=None, sync_config=None,
-                  listener_port=None, admin_port=None, wasm=WASM, policy="kvroute", tokenizer_port=None):
+                  listener_port=None, admin_port=None, wasm=WASM, policy="kvroute", tokenizer_port=None,
+                  kvroute_filter=True, kvroute_sync=True):
     """envoy/envoy.yaml with this test's ports, upstreams and plugin configurations.
     policy: "kvroute" (the file as it is), or one of Envoy's own (ENVOY_POLICIES): the
     same bootstrap without the kvroute filter and singleton, that policy on `workers`.
     tokenizer_port: the tokenizer stage's gRPC port; None: no stage (the ext_proc filter,
     its cluster and its per-route settings are taken out, so requests carry their own
-    token headers as before)."""
+    token headers as before). kvroute_filter / kvroute_sync False: policy "kvroute" with
+    that wasm part taken out (the override_host policy's fallback then routes)."""
     cfg = yaml.safe_load(ENVOY_YAML.read_text())
     _set_tokenizer(cfg, tokenizer_port)
     listener_port = listener_port or free_port()
@@ -58,8 +60,12 @@ def render_config(workers, feed_port, filter_config=None, sync_config=None,
     sync_cfg.update(sync_config or {})
     sync["configuration"]["value"] = json.dumps(sync_cfg)
     if policy != "kvroute":
+        kvroute_filter = kvroute_sync = False
+    if not kvroute_filter:
         hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] != "envoy.filters.http.wasm"]
+    if not kvroute_sync:
         del cfg["bootstrap_extensions"]
+    if policy != "kvroute":
         name = ENVOY_POLICIES[policy]
         workers_cluster = next(c for c in cfg["static_resources"]["clusters"] if c["name"] == "workers")
         workers_cluster["load_balancing_policy"] = {"policies": [{"typed_extension_config": {

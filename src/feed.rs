@@ -50,14 +50,9 @@ impl FeedBlock {
 
     /// [`FeedBlock::chain`] in a namespace ([`crate::hash::namespace`]).
     pub fn chain_in(tokens: &[u32], block_size: usize, namespace: u64) -> Vec<FeedBlock> {
-        let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
-        let mut chain = crate::hash::Chain::start(namespace);
-        bytes
-            .chunks_exact(block_size.max(1) * 4)
-            .map(|block| {
-                let b = chain.push(block);
-                FeedBlock { hash: b.hash, anchor: b.anchor }
-            })
+        crate::hash::block_ids_in(tokens, block_size, namespace)
+            .into_iter()
+            .map(|b| FeedBlock { hash: b.hash, anchor: b.anchor })
             .collect()
     }
 }

@@ -187,10 +187,14 @@ pub fn block_hashes(tokens: &[u32], block_size: usize) -> Vec<u64> {
 
 /// [`block_hashes_le`] for token ids held as `u32`s.
 pub fn block_hashes_in(tokens: &[u32], block_size: usize, namespace: u64) -> Vec<u64> {
+    block_ids_in(tokens, block_size, namespace).into_iter().map(|b| b.hash).collect()
+}
+
+/// Every whole block of `tokens` (held as `u32`s) in `namespace`, named by [`Chain`].
+pub fn block_ids_in(tokens: &[u32], block_size: usize, namespace: u64) -> Vec<BlockId> {
     let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
-    let mut out = Vec::new();
-    block_hashes_le(&bytes, block_size, namespace, &mut out);
-    out
+    let mut chain = Chain::start(namespace);
+    bytes.chunks_exact(block_size.max(1) * 4).map(|block| chain.push(block)).collect()
 }
 
 #[cfg(test)]
@@ -221,7 +225,11 @@ mod tests {
         for ns in [BASE_NAMESPACE, namespace(Some(b"sql-lora"), None)] {
             let mut chain = Chain::start(ns);
             let whole: Vec<BlockId> = le.chunks_exact(64).map(|b| chain.push(b)).collect();
-            assert_eq!(whole.iter().map(|b| b.hash).collect::<Vec<_>>(), block_hashes_in(&tokens, 16, ns));
+            // The request path's hashes (block_hashes_le) and the named blocks agree.
+            let mut hashes = Vec::new();
+            block_hashes_le(&le, 16, ns, &mut hashes);
+            assert_eq!(whole.iter().map(|b| b.hash).collect::<Vec<_>>(), hashes);
+            assert_eq!(block_ids_in(&tokens, 16, ns), whole);
             for (i, b) in whole.iter().enumerate() {
                 assert_eq!(b.pos as usize, i);
                 assert_eq!(b.anchor, whole[anchor_position(i)].hash, "block {i}");
