@@ -22,7 +22,12 @@ closed-loop client for 32k-token prompts, whose ~175 KB header wrk cannot send):
 for 2k- and 32k-token prompts (base64 token header; 2k also in decimal). Reports
 throughput relative to plain, added latency, and shared-data reads per request.
 
+`--build LABEL=PATH` (repeatable) measures another kvroute.wasm beside the built one:
+every variant but plain also runs as `VARIANT@LABEL` with that file, in the same rounds
+(a refactor's before and after, or two releases).
+
     python3 benches/envoy_overhead.py [--rounds 3] [--duration 8] [--json out.json]
+                                      [--build base=/path/to/other/kvroute.wasm]
 """
 import argparse
 import base64
@@ -41,6 +46,7 @@ import time
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from harness import Envoy, free_port, render_config, wait_for  # noqa: E402
 from harness.kvfeed import FeedServer, FeedState  # noqa: E402
+from harness.paths import WASM  # noqa: E402
 
 N_WORKERS = 16
 # The Envoy under test gets core 0 to itself; this script, its load generator, the feed
@@ -231,7 +237,9 @@ def header_of(name, prompt, encoding):
     return "x-prompt-token-ids", ",".join(map(str, prompt))
 
 
-def run_variant(name, upstream, prompt, encoding, duration, connections, distinct=0):
+def run_variant(name, upstream, prompt, encoding, duration, connections, distinct=0, builds=None):
+    name, _, build = name.partition("@")
+    wasm = (builds or {})[build] if build else WASM
     workers = [Port(p) for p in upstream.ports]
     state = FeedState()
     state.set_workers([(f"127.0.0.1:{w.port}", "both", True) for w in workers])
@@ -248,7 +256,7 @@ def run_variant(name, upstream, prompt, encoding, duration, connections, distinc
         filter_cfg["predict_on_route"] = False
     if literal:
         filter_cfg.update(active_blocks="in_flight", prefill_load_weight=0)
-    cfg, lp, ap = render_config(workers, feed.port, filter_cfg)
+    cfg, lp, ap = render_config(workers, feed.port, filter_cfg, wasm=wasm)
     if name == "plain":
         hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
         hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] != "envoy.filters.http.wasm"]
@@ -304,12 +312,21 @@ def main():
     ap.add_argument("--distinct", type=int, default=0,
                     help="send this many different prompts in turn (the Python client for every variant)")
     ap.add_argument("--variants", default="plain,notokens,cold_literal,cold,warm_literal,warm")
+    ap.add_argument("--build", action="append", default=[], metavar="LABEL=PATH",
+                    help="another kvroute.wasm, measured as VARIANT@LABEL beside the built one")
     args = ap.parse_args()
+    builds = {}
+    for b in args.build:
+        label, sep, path = b.partition("=")
+        if not sep or not label or not pathlib.Path(path).is_file():
+            ap.error(f"--build {b!r}: want LABEL=PATH to a kvroute.wasm")
+        builds[label] = pathlib.Path(path).resolve()
     if ENVOY_CPU is not None:
         os.sched_setaffinity(0, {1})  # inherited by wrk and the upstream Envoy
     variants = args.variants.split(",")
     if variants[0] != "plain":
         variants.insert(0, "plain")
+    variants += [f"{v}@{label}" for label in builds for v in variants if v != "plain"]
     upstream = Upstream(N_WORKERS)
     results = []
     try:
@@ -322,7 +339,7 @@ def main():
             for rnd in range(args.rounds):
                 for variant in variants:
                     r = run_variant(variant, upstream, prompt, encoding, args.duration, args.connections,
-                                    args.distinct)
+                                    args.distinct, builds)
                     base = runs["plain"][-1] if variant != "plain" else r
                     r["ratio"] = r["rps"] / base["rps"]
                     r["cpu_ratio"] = r["envoy_cpu_us_per_request"] / base["envoy_cpu_us_per_request"]

@@ -41,10 +41,10 @@ fi
 step "format and lints"
 cargo fmt --all -- --check
 cargo clippy --quiet --workspace --all-targets -- -D warnings
-cargo clippy --quiet --target wasm32-unknown-unknown --lib -- -D warnings
+cargo clippy --quiet --target wasm32-unknown-unknown --lib -- -D warnings  # the core and the glue
 
 step "core, sidecar, fleet and tokenizer-stage tests (native)"
-cargo test --quiet --lib
+cargo test --quiet -p kvroute --lib
 cargo test --quiet -p kvroute-serve
 cargo test --quiet -p kvroute-sidecar
 cargo test --quiet -p kvroute-fleet
@@ -52,7 +52,7 @@ cargo test --quiet -p kvroute-tokenizer  # with the golden token ids (tests/vect
 
 step "core unit tests (wasm32, in node)"
 CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUNNER=wasm-bindgen-test-runner \
-  cargo test --target wasm32-unknown-unknown --no-default-features --lib  # the runner rejects --quiet
+  cargo test --target wasm32-unknown-unknown -p kvroute --lib  # the runner rejects --quiet
 
 step "building kvroute.wasm, kvroute-sidecar, kvroute-fleet and kvroute-tokenizer"
 cargo build --quiet --target wasm32-unknown-unknown --release

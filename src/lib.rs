@@ -1,7 +1,9 @@
-//! kvroute: KV-cache-aware routing for LLM inference fleets, as an Envoy proxy-wasm filter.
+//! kvroute: KV-cache-aware routing for LLM inference fleets: the routing core.
 //!
-//! The routing core (everything but `wasm`) has no host imports: it builds and is tested
-//! natively, and the sidecar links it for the same hashing and feed encoding.
+//! It has no host imports: it builds and is tested natively and in wasm32, the sidecar and
+//! the stage link it for the same hashing and feed encoding, and each proxy host (the
+//! proxy-wasm glue in `wasm/`, producing `kvroute.wasm`) is glue over [`filter`] and
+//! [`sync`] through the traits in [`host`].
 //!
 //! - [`tokens`]: token-id headers → little-endian token bytes
 //! - [`hash`]: block identity: chained XXH3-64 hashes, namespaces, segments (shared with
@@ -18,16 +20,18 @@
 //! - [`index`]: the sync service's model of the fleet
 //! - [`config`]: plugin configuration, validated
 //! - [`wire`]: what the wire decoders share (bounded reservations)
-//!
-//! `wasm` (only on `wasm32` with the `filter` feature) is the proxy-wasm glue: the HTTP
-//! filter (`root_id` `kvroute`) and the sync service (`root_id` `kvroute-sync`).
+//! - [`host`]: what a proxy host provides (headers, stats, the clock, the feed poll)
+//! - [`filter`]: the HTTP filter's policy: headers, routing, stats and release batching
+//! - [`sync`]: the sync service's policy: the poll cycle, backoff, staleness, publishing
 
 // The filter must never panic: a panic kills the VM and every request it would serve.
 #![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used, clippy::panic))]
 
 pub mod config;
 pub mod feed;
+pub mod filter;
 pub mod hash;
+pub mod host;
 pub mod index;
 pub mod inflight;
 pub mod layout;
@@ -37,8 +41,6 @@ pub mod scan;
 pub mod score;
 pub mod slots;
 pub mod store;
+pub mod sync;
 pub mod tokens;
 pub mod wire;
-
-#[cfg(all(target_arch = "wasm32", feature = "filter"))]
-mod wasm;

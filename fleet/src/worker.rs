@@ -8,7 +8,7 @@ use crate::kvcache::KvCache;
 use crate::kvevents::{encode_batch, KvEventsConfig, Publisher, WireForm};
 use crate::prompts::Prompts;
 use bytes::Bytes;
-use http_body_util::{combinators::BoxBody, BodyExt, Full};
+use http_body_util::{combinators::BoxBody, BodyExt};
 use hyper::body::{Body, Frame, Incoming};
 use hyper::{Method, Request as HttpRequest, Response, StatusCode};
 use kvroute_tokenizer::stage::{Endpoint, Skip};
@@ -20,7 +20,7 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, Notify};
 
 #[derive(clap::Args, Debug, Clone)]
@@ -133,7 +133,7 @@ impl Shared {
     /// One step's KV events as one batch on the publisher (if events are on).
     fn publish(&self, events: &[crate::kvcache::KvEvent]) {
         let (Some(p), false) = (&self.publisher, events.is_empty()) else { return };
-        let ts = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0);
+        let ts = kvroute_serve::unix_seconds();
         if !p.publish(encode_batch(self.args.kv_events_wire, ts, events, self.args.data_parallel_rank)) {
             log::warn!("kv events queue full: a batch was dropped");
         }
@@ -240,13 +240,9 @@ fn deliver(shared: &Shared, outputs: Vec<Output>) {
 
 type Resp = Response<BoxBody<Bytes, Infallible>>;
 
+/// A whole response, boxed like the streaming ones.
 fn full(status: StatusCode, content_type: &str, body: impl Into<Bytes>) -> Resp {
-    let mut r = Response::new(Full::new(body.into()).boxed());
-    *r.status_mut() = status;
-    if let Ok(v) = content_type.parse() {
-        r.headers_mut().insert(hyper::header::CONTENT_TYPE, v);
-    }
-    r
+    kvroute_serve::respond(status, content_type, body).map(BodyExt::boxed)
 }
 
 fn error(status: StatusCode, msg: &str) -> Resp {
@@ -375,7 +371,7 @@ async fn generate(shared: Arc<Shared>, req: HttpRequest<Incoming>, chat: bool) -
 }
 
 fn unix_secs() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+    kvroute_serve::unix_seconds() as u64
 }
 
 struct Reply {

@@ -1,6 +1,7 @@
 //! What kvroute's native services (the sidecar, the tokenizer stage, the fleet's mock
 //! engine) share, written once: serving HTTP/1.1 on a listener, stopping on Ctrl-C or
-//! SIGTERM, reading a TOML configuration file into its typed form, locking shared state.
+//! SIGTERM, whole responses, reading a TOML configuration file into its typed form, locking
+//! shared state, the wall clock.
 
 use hyper::body::{Body, Incoming};
 use hyper::{Request, Response};
@@ -64,10 +65,32 @@ pub fn parse_toml<T: serde::de::DeserializeOwned>(text: &str) -> Result<T, Strin
     toml::from_str(text).map_err(|e| e.to_string().trim_end().to_string())
 }
 
-/// The TOML file given as `--config path`, parsed into `T`.
-pub fn read_toml<T: serde::de::DeserializeOwned>(path: &str) -> Result<T, String> {
+/// The TOML file given as `--config path`, parsed into `T`; with no `--config`, `T`'s
+/// defaults (every setting then comes from flags or is defaulted).
+pub fn read_toml<T: serde::de::DeserializeOwned + Default>(path: Option<&str>) -> Result<T, String> {
+    let Some(path) = path else { return Ok(T::default()) };
     let text = std::fs::read_to_string(path).map_err(|e| format!("--config {path}: {e}"))?;
     parse_toml(&text).map_err(|e| format!("{path}: {e}"))
+}
+
+/// Wall-clock seconds since the Unix epoch (0 if the clock is before it), as engines stamp
+/// their event batches.
+pub fn unix_seconds() -> f64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64())
+}
+
+/// A whole response: `status`, a `content-type` and the body.
+pub fn respond(
+    status: hyper::StatusCode,
+    content_type: &str,
+    body: impl Into<bytes::Bytes>,
+) -> Response<http_body_util::Full<bytes::Bytes>> {
+    let mut r = Response::new(http_body_util::Full::new(body.into()));
+    *r.status_mut() = status;
+    if let Ok(v) = content_type.parse() {
+        r.headers_mut().insert(hyper::header::CONTENT_TYPE, v);
+    }
+    r
 }
 
 /// Locks `m`, also after a thread panicked holding it: every value these services keep
@@ -81,7 +104,7 @@ pub fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 mod tests {
     use super::*;
 
-    #[derive(serde::Deserialize, Debug, PartialEq)]
+    #[derive(serde::Deserialize, Debug, Default, PartialEq)]
     #[serde(deny_unknown_fields)]
     struct Settings {
         listen: String,
@@ -96,9 +119,10 @@ mod tests {
         let path = dir.join("bad.toml");
         std::fs::write(&path, "listen = 1").unwrap();
         let p = path.to_str().unwrap();
-        let e = read_toml::<Settings>(p).unwrap_err();
+        let e = read_toml::<Settings>(Some(p)).unwrap_err();
         assert!(e.starts_with(&format!("{p}: ")) && e.contains("listen"), "{e}");
-        assert!(read_toml::<Settings>("/nonexistent/x.toml")
+        assert_eq!(read_toml::<Settings>(None).unwrap(), Settings::default());
+        assert!(read_toml::<Settings>(Some("/nonexistent/x.toml"))
             .unwrap_err()
             .starts_with("--config /nonexistent/x.toml: "));
         let _ = std::fs::remove_dir_all(dir);

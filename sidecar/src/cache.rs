@@ -567,19 +567,7 @@ mod tests {
     use super::*;
 
     fn stored(hashes: &[u64], parent: Option<u64>, tokens: Vec<u32>, bs: u32) -> BlockStored {
-        BlockStored {
-            block_hashes: hashes.to_vec(),
-            parent,
-            token_ids: tokens,
-            block_size: bs,
-            medium: Medium::Gpu,
-            lora_id: None,
-            lora_name: None,
-            extra_keys: Vec::new(),
-            group_idx: 0,
-            group_kind: None,
-            cache_salt: None,
-        }
+        BlockStored::on_gpu(hashes, parent, tokens, bs)
     }
 
     fn removed(hashes: &[u64]) -> BlockRemoved {

@@ -111,6 +111,26 @@ pub struct BlockStored {
     pub cache_salt: Option<String>,
 }
 
+#[cfg(test)]
+impl BlockStored {
+    /// A store of the base model's blocks in GPU memory, as most tests want one.
+    pub fn on_gpu(block_hashes: &[u64], parent: Option<u64>, token_ids: Vec<u32>, block_size: u32) -> BlockStored {
+        BlockStored {
+            block_hashes: block_hashes.to_vec(),
+            parent,
+            token_ids,
+            block_size,
+            medium: Medium::Gpu,
+            lora_id: None,
+            lora_name: None,
+            extra_keys: Vec::new(),
+            group_idx: 0,
+            group_kind: None,
+            cache_salt: None,
+        }
+    }
+}
+
 impl BlockStored {
     /// vLLM's offloading connector without `self_describing_kv_events`: "an offload tier now
     /// holds the engine block with this hash", with no tokens (`block_size` 0).

@@ -518,19 +518,7 @@ mod tests {
 
     fn stored(hashes: &[u64], parent: Option<u64>, first_token: u32) -> Event {
         let n = hashes.len() as u32 * 16;
-        Event::Stored(BlockStored {
-            block_hashes: hashes.to_vec(),
-            parent,
-            token_ids: (first_token..first_token + n).collect(),
-            block_size: 16,
-            medium: Medium::Gpu,
-            lora_id: None,
-            lora_name: None,
-            extra_keys: Vec::new(),
-            group_idx: 0,
-            group_kind: None,
-            cache_salt: None,
-        })
+        Event::Stored(BlockStored::on_gpu(hashes, parent, (first_token..first_token + n).collect(), 16))
     }
 
     fn batch(events: Vec<Event>) -> Batch {

@@ -1,73 +1,157 @@
-//! The ZMQ source: one SUB socket per (worker, DP rank) publisher, polled together by one
-//! thread, and a DEALER per running replay. What to do with each batch (gaps, replays,
-//! restarts) is the stream's [`Sequencer`]'s decision; this module only moves messages.
+//! The ingest loop, whatever the transport: a [`Source`] moves publishers' messages, each
+//! stream's [`Sequencer`] decides what they mean, and the fleet takes what is applied.
 //!
-//! Wire format (vLLM and SGLang `ZmqEventPublisher`): multipart `[topic, seq (u64
-//! big-endian), msgpack payload]`, `seq` counting from 0 per publisher. Replay: a DEALER
-//! sends `[b"", start_seq]` to the publisher's ROUTER and receives, for each buffered batch
-//! from `start_seq` on, the live layout behind the envelope `[b"", topic, seq, payload]`
-//! (vLLM ≥ 0.26, SGLang ≥ 0.5.22) or, from older publishers, `[b"", seq, payload]`; then the
-//! end marker `[b"", b"", END, b""]` or `[b"", END, b""]`, END being -1 as 8 signed
-//! big-endian bytes. The layout is read off each message ([`replay_reply`]), so a publisher
-//! upgraded under a running sidecar is served too.
-//!
-//! A message that is not `[topic, 8-byte seq, payload]` is counted and dropped.
+//! A stream is one (worker, DP rank) publisher. The loop asks the source for what arrived,
+//! hands each message to its stream's sequencer with a [`Sink`] over the fleet (batches,
+//! resets, counts) and the source (replays), and then gives every sequencer the time, so a
+//! replay that runs too long ends. The ZMQ source is [`crate::zmq_source`]; another
+//! transport (NATS JetStream) is another `Source`, with this loop and the sequencing
+//! unchanged.
 
 use crate::config::Config;
 use crate::fleet::{lock, Fleet, ResetReason};
 use crate::sequence::{Count, ReplayReply, Sequencer, Sink};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
-const END_OF_REPLAY: [u8; 8] = [0xff; 8];
-/// Messages taken from one socket per turn, so a flood on one stream cannot starve others.
-const MAX_PER_TURN: usize = 256;
-const POLL_MS: i64 = 50;
-/// ZMQ receive high-water mark: bursts beyond this are dropped by ZMQ (and replayed).
-const RCV_HWM: i32 = 1_000_000;
-/// Largest message accepted. An engine's batch is a scheduler step's events (kilobytes to
-/// a few megabytes); libzmq drops the connection of a peer that sends more (it reconnects;
-/// what was lost shows as a sequence gap and is replayed), so nothing hostile makes the
-/// sidecar allocate without bound.
-const MAX_MESSAGE_BYTES: i64 = 64 << 20;
+/// How long one turn waits for messages: the pace of replay timeouts while all is quiet.
+pub const POLL_INTERVAL: Duration = Duration::from_millis(50);
+
+/// One publisher to subscribe to, as the configuration names it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StreamSpec {
+    pub worker: usize,
+    pub rank: usize,
+    /// `<worker id> rank <rank>`, for logs.
+    pub label: String,
+    /// Where its live batches are published.
+    pub events: String,
+    /// Where it answers replay requests, if it does.
+    pub replay: Option<String>,
+}
+
+/// Every configured worker's publishers, in order (the index is the stream's number).
+pub fn streams(config: &Config) -> Vec<StreamSpec> {
+    let mut out = Vec::new();
+    for (w, wc) in config.workers.iter().enumerate() {
+        for rank in 0..wc.dp_ranks {
+            out.push(StreamSpec {
+                worker: w,
+                rank: rank as usize,
+                label: format!("{} rank {rank}", wc.id),
+                events: wc.events_for(rank),
+                replay: wc.replay_for(rank),
+            });
+        }
+    }
+    out
+}
+
+/// What a source read for one stream.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Arrival {
+    /// A live batch: its sequence number and msgpack payload.
+    Live(u64, Vec<u8>),
+    /// A message of the running replay.
+    Replay(ReplayReply),
+    /// The running replay's connection failed.
+    ReplayFailed,
+    /// A message of the wrong shape (what it was, for the log): counted and dropped.
+    Malformed(&'static str),
+}
+
+/// A transport for KV events: it moves messages and decides nothing.
+pub trait Source {
+    /// Waits up to `timeout` for messages and returns what arrived, each with its stream's
+    /// number. Per stream, a replay's messages come before live ones, each in the order
+    /// sent; a source bounds what it takes from one stream per call, so a flood on one
+    /// cannot starve the others.
+    fn poll(&mut self, timeout: Duration) -> Vec<(usize, Arrival)>;
+    /// Asks stream `stream`'s publisher to replay from `from`; false if it cannot be asked.
+    fn request_replay(&mut self, stream: usize, from: u64) -> bool;
+    /// The stream's replay is over: stop listening for it.
+    fn end_replay(&mut self, stream: usize);
+}
 
 struct Stream {
     worker: usize,
     rank: usize,
-    label: String,
-    sub: zmq::Socket,
-    replay_endpoint: Option<String>,
-    /// The running replay's connection.
-    dealer: Option<zmq::Socket>,
     seq: Sequencer,
 }
 
-pub struct Ingest {
-    ctx: zmq::Context,
+pub struct Ingest<S: Source> {
+    source: S,
     streams: Vec<Stream>,
     fleet: Arc<Mutex<Fleet>>,
 }
 
-fn unix_now() -> f64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0)
+impl<S: Source> Ingest<S> {
+    /// `specs`: the streams `source` was connected to, in the same order.
+    pub fn new(config: &Config, specs: &[StreamSpec], source: S, fleet: Arc<Mutex<Fleet>>) -> Ingest<S> {
+        let streams = specs
+            .iter()
+            .map(|s| Stream {
+                worker: s.worker,
+                rank: s.rank,
+                seq: Sequencer::new(s.label.clone(), config.max_pending_batches, config.replay_timeout),
+            })
+            .collect();
+        Ingest { source, streams, fleet }
+    }
+
+    /// Runs until `stop` is set.
+    pub fn run(mut self, stop: Arc<AtomicBool>) {
+        while !stop.load(Ordering::Relaxed) {
+            self.turn(POLL_INTERVAL);
+        }
+    }
+
+    /// One turn: what arrived within `timeout`, then every stream's clock.
+    pub fn turn(&mut self, timeout: Duration) {
+        for (i, arrival) in self.source.poll(timeout) {
+            let Some(stream) = self.streams.get_mut(i) else { continue };
+            let mut sink = FleetSink::of(&self.fleet, stream, i, &mut self.source);
+            let now = Instant::now();
+            match arrival {
+                Arrival::Live(seq, payload) => stream.seq.live(seq, payload, now, &mut sink),
+                Arrival::Replay(reply) => stream.seq.replay_reply(reply, now, &mut sink),
+                Arrival::ReplayFailed => stream.seq.replay_failed(now, &mut sink),
+                Arrival::Malformed(what) => {
+                    lock(&self.fleet).stats.frames_bad += 1;
+                    if stream.seq.should_log() {
+                        log::warn!("{}: dropped a {what} (problem #{})", stream.seq.label(), stream.seq.problems());
+                    }
+                }
+            }
+        }
+        let now = Instant::now();
+        for (i, stream) in self.streams.iter_mut().enumerate() {
+            let mut sink = FleetSink::of(&self.fleet, stream, i, &mut self.source);
+            stream.seq.tick(now, &mut sink);
+        }
+    }
 }
 
-/// A stream's [`Sink`]: the fleet for batches, resets and counts; ZMQ for replays.
-struct ZmqSink<'a> {
-    ctx: &'a zmq::Context,
+/// A stream's [`Sink`]: the fleet for batches, resets and counts; the source for replays.
+struct FleetSink<'a, S: Source> {
     fleet: &'a Mutex<Fleet>,
     worker: usize,
     rank: usize,
-    label: &'a str,
-    replay_endpoint: Option<&'a str>,
-    dealer: &'a mut Option<zmq::Socket>,
+    stream: usize,
+    source: &'a mut S,
 }
 
-impl Sink for ZmqSink<'_> {
+impl<'a, S: Source> FleetSink<'a, S> {
+    fn of(fleet: &'a Mutex<Fleet>, stream: &Stream, i: usize, source: &'a mut S) -> FleetSink<'a, S> {
+        FleetSink { fleet, worker: stream.worker, rank: stream.rank, stream: i, source }
+    }
+}
+
+impl<S: Source> Sink for FleetSink<'_, S> {
     fn apply(&mut self, seq: u64, payload: &[u8]) -> Result<(), String> {
         lock(self.fleet)
-            .apply_payload(self.worker, self.rank, seq, payload, Instant::now(), unix_now())
+            .apply_payload(self.worker, self.rank, seq, payload, Instant::now(), kvroute_serve::unix_seconds())
             .map_err(|e| e.to_string())
     }
 
@@ -76,30 +160,11 @@ impl Sink for ZmqSink<'_> {
     }
 
     fn request_replay(&mut self, from: u64) -> bool {
-        let Some(endpoint) = self.replay_endpoint else { return false };
-        let dealer = match self.ctx.socket(zmq::DEALER) {
-            Ok(d) => d,
-            Err(e) => {
-                log::error!("{}: zmq dealer: {e}", self.label);
-                return false;
-            }
-        };
-        let sent = dealer
-            .set_linger(0)
-            .and_then(|_| dealer.set_maxmsgsize(MAX_MESSAGE_BYTES))
-            .and_then(|_| dealer.connect(endpoint))
-            .and_then(|_| dealer.send_multipart([&b""[..], &from.to_be_bytes()[..]], zmq::DONTWAIT));
-        if let Err(e) = sent {
-            log::warn!("{}: replay request to {endpoint} failed: {e}", self.label);
-            return false;
-        }
-        log::info!("{}: replaying from seq {from} via {endpoint}", self.label);
-        *self.dealer = Some(dealer);
-        true
+        self.source.request_replay(self.stream, from)
     }
 
     fn end_replay(&mut self) {
-        *self.dealer = None;
+        self.source.end_replay(self.stream);
     }
 
     fn count(&mut self, what: Count) {
@@ -113,218 +178,5 @@ impl Sink for ZmqSink<'_> {
     }
 }
 
-impl Ingest {
-    pub fn new(config: &Config, fleet: Arc<Mutex<Fleet>>) -> Result<Ingest, String> {
-        let ctx = zmq::Context::new();
-        let mut streams = Vec::new();
-        for (w, wc) in config.workers.iter().enumerate() {
-            for rank in 0..wc.dp_ranks {
-                let endpoint = wc.events_for(rank);
-                let sub = ctx.socket(zmq::SUB).map_err(|e| format!("zmq socket: {e}"))?;
-                sub.set_rcvhwm(RCV_HWM).map_err(|e| format!("zmq rcvhwm: {e}"))?;
-                sub.set_maxmsgsize(MAX_MESSAGE_BYTES).map_err(|e| format!("zmq maxmsgsize: {e}"))?;
-                sub.set_linger(0).map_err(|e| format!("zmq linger: {e}"))?;
-                sub.set_subscribe(config.topic.as_bytes()).map_err(|e| format!("zmq subscribe: {e}"))?;
-                sub.connect(&endpoint).map_err(|e| format!("worker {} events {endpoint}: {e}", wc.id))?;
-                let label = format!("{} rank {rank}", wc.id);
-                streams.push(Stream {
-                    worker: w,
-                    rank: rank as usize,
-                    label: label.clone(),
-                    sub,
-                    replay_endpoint: wc.replay_for(rank),
-                    dealer: None,
-                    seq: Sequencer::new(label, config.max_pending_batches, config.replay_timeout),
-                });
-            }
-        }
-        Ok(Ingest { ctx, streams, fleet })
-    }
-
-    /// Runs until `stop` is set.
-    pub fn run(mut self, stop: Arc<AtomicBool>) {
-        while !stop.load(Ordering::Relaxed) {
-            self.turn();
-        }
-    }
-
-    fn turn(&mut self) {
-        let mut ready = vec![(false, false); self.streams.len()];
-        {
-            let mut items: Vec<zmq::PollItem> = Vec::with_capacity(self.streams.len() * 2);
-            let mut owners = Vec::with_capacity(self.streams.len() * 2);
-            for (i, s) in self.streams.iter().enumerate() {
-                items.push(s.sub.as_poll_item(zmq::POLLIN));
-                owners.push((i, false));
-                if let Some(d) = &s.dealer {
-                    items.push(d.as_poll_item(zmq::POLLIN));
-                    owners.push((i, true));
-                }
-            }
-            if let Err(e) = zmq::poll(&mut items, POLL_MS) {
-                log::error!("zmq poll: {e}");
-                std::thread::sleep(Duration::from_millis(POLL_MS as u64));
-                return;
-            }
-            for (item, (i, is_replay)) in items.iter().zip(owners) {
-                if item.is_readable() {
-                    if is_replay {
-                        ready[i].1 = true;
-                    } else {
-                        ready[i].0 = true;
-                    }
-                }
-            }
-        }
-        for (i, (live, replay)) in ready.into_iter().enumerate() {
-            let (ctx, fleet) = (&self.ctx, &*self.fleet);
-            let s = &mut self.streams[i];
-            if replay {
-                s.drain_replay(ctx, fleet);
-            }
-            if live {
-                s.drain_live(ctx, fleet);
-            }
-            let (seq, mut sink) = s.split(ctx, fleet);
-            seq.tick(Instant::now(), &mut sink);
-        }
-    }
-}
-
-impl Stream {
-    /// The sequencer and the sink it drives, borrowed apart.
-    fn split<'a>(&'a mut self, ctx: &'a zmq::Context, fleet: &'a Mutex<Fleet>) -> (&'a mut Sequencer, ZmqSink<'a>) {
-        let sink = ZmqSink {
-            ctx,
-            fleet,
-            worker: self.worker,
-            rank: self.rank,
-            label: &self.label,
-            replay_endpoint: self.replay_endpoint.as_deref(),
-            dealer: &mut self.dealer,
-        };
-        (&mut self.seq, sink)
-    }
-
-    fn drain_live(&mut self, ctx: &zmq::Context, fleet: &Mutex<Fleet>) {
-        for _ in 0..MAX_PER_TURN {
-            let msg = match self.sub.recv_multipart(zmq::DONTWAIT) {
-                Ok(m) => m,
-                Err(zmq::Error::EAGAIN) => return,
-                Err(e) => {
-                    log::error!("{}: zmq recv: {e}", self.label);
-                    return;
-                }
-            };
-            let Some((seq, payload)) = live_message(msg) else {
-                self.dropped(fleet, "message that is not [topic, seq, payload]");
-                continue;
-            };
-            let (q, mut sink) = self.split(ctx, fleet);
-            q.live(seq, payload, Instant::now(), &mut sink);
-        }
-    }
-
-    fn drain_replay(&mut self, ctx: &zmq::Context, fleet: &Mutex<Fleet>) {
-        for _ in 0..MAX_PER_TURN {
-            let Some(dealer) = &self.dealer else { return };
-            let reply = match dealer.recv_multipart(zmq::DONTWAIT) {
-                Ok(m) => replay_reply(m),
-                Err(zmq::Error::EAGAIN) => return,
-                Err(e) => {
-                    log::warn!("{}: replay recv: {e}", self.label);
-                    let (q, mut sink) = self.split(ctx, fleet);
-                    q.replay_failed(Instant::now(), &mut sink);
-                    return;
-                }
-            };
-            let Some(reply) = reply else {
-                self.dropped(fleet, "replay reply that is not [\"\", topic?, seq, payload]");
-                continue;
-            };
-            let (q, mut sink) = self.split(ctx, fleet);
-            q.replay_reply(reply, Instant::now(), &mut sink);
-        }
-    }
-
-    /// Counts a message of the wrong shape, and logs it (rate-limited).
-    fn dropped(&mut self, fleet: &Mutex<Fleet>, what: &str) {
-        lock(fleet).stats.frames_bad += 1;
-        if self.seq.should_log() {
-            log::warn!("{}: dropped a {what} (problem #{})", self.label, self.seq.problems());
-        }
-    }
-}
-
-/// Splits a live message `[topic, seq (8 bytes BE), payload]`.
-fn live_message(mut msg: Vec<Vec<u8>>) -> Option<(u64, Vec<u8>)> {
-    if msg.len() != 3 {
-        return None;
-    }
-    let payload = msg.pop()?;
-    let seq: [u8; 8] = msg.pop()?.try_into().ok()?;
-    Some((u64::from_be_bytes(seq), payload))
-}
-
-/// Reads one message a replay DEALER received, in either layout (module docs): four frames
-/// carry the topic, three do not. None: neither.
-fn replay_reply(mut msg: Vec<Vec<u8>>) -> Option<ReplayReply> {
-    if !(msg.len() == 3 || msg.len() == 4) || !msg[0].is_empty() {
-        return None;
-    }
-    let payload = msg.pop()?;
-    let seq: [u8; 8] = msg.pop()?.try_into().ok()?;
-    if seq == END_OF_REPLAY {
-        return Some(ReplayReply::End);
-    }
-    Some(ReplayReply::Batch(u64::from_be_bytes(seq), payload))
-}
-
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn frames(parts: &[&[u8]]) -> Vec<Vec<u8>> {
-        parts.iter().map(|p| p.to_vec()).collect()
-    }
-
-    #[test]
-    fn replay_replies_in_both_layouts() {
-        let seq = 7u64.to_be_bytes();
-        // vLLM >= 0.26 / SGLang >= 0.5.22: the live layout behind the envelope.
-        assert_eq!(
-            replay_reply(frames(&[b"", b"kv@10.0.0.5", &seq, b"payload"])),
-            Some(ReplayReply::Batch(7, b"payload".to_vec()))
-        );
-        assert_eq!(replay_reply(frames(&[b"", b"", &seq, b"p"])), Some(ReplayReply::Batch(7, b"p".to_vec())));
-        assert_eq!(replay_reply(frames(&[b"", b"", &END_OF_REPLAY, b""])), Some(ReplayReply::End));
-        // Older publishers: no topic.
-        assert_eq!(replay_reply(frames(&[b"", &seq, b"payload"])), Some(ReplayReply::Batch(7, b"payload".to_vec())));
-        assert_eq!(replay_reply(frames(&[b"", &END_OF_REPLAY, b""])), Some(ReplayReply::End));
-        // END is -1 as 8 signed big-endian bytes.
-        assert_eq!((-1i64).to_be_bytes(), END_OF_REPLAY);
-    }
-
-    #[test]
-    fn malformed_replay_replies_are_refused() {
-        let seq = 7u64.to_be_bytes();
-        for msg in [
-            frames(&[]),
-            frames(&[b""]),
-            frames(&[b"", &seq]),
-            frames(&[b"x", &seq, b"p"]),       // no envelope delimiter
-            frames(&[b"", b"\x00\x01", b"p"]), // seq not 8 bytes
-            frames(&[b"", b"t", b"\x00\x01", b"p"]),
-            frames(&[b"", b"t", b"u", &seq, b"p"]), // five frames
-        ] {
-            assert_eq!(replay_reply(msg.clone()), None, "{msg:?}");
-        }
-    }
-
-    #[test]
-    fn live_messages_are_three_frames_with_an_8_byte_seq() {
-        assert_eq!(live_message(frames(&[b"", &3u64.to_be_bytes(), b"p"])), Some((3, b"p".to_vec())));
-        assert_eq!(live_message(frames(&[b"", b"short", b"p"])), None);
-        assert_eq!(live_message(frames(&[b"", &3u64.to_be_bytes(), b"p", b"q"])), None);
-    }
-}
+mod tests;

@@ -4,7 +4,8 @@
 //! - [`cache`] mirrors one worker's cache in the router's hash space;
 //! - [`fleet`] holds every worker, the feed version and its [`changelog`];
 //! - [`sequence`] decides, per event stream, what to apply, clear or replay (no I/O);
-//! - [`ingest`] is the ZMQ source: the subscriptions and replay connections;
+//! - [`ingest`] runs each stream's sequencer over a [`ingest::Source`]; [`zmq_source`] is
+//!   the ZMQ one: the subscriptions and replay connections;
 //! - [`server`], [`metrics`] and [`health`] are the HTTP side and liveness.
 
 pub mod cache;
@@ -19,3 +20,4 @@ pub mod msgpack;
 pub mod sequence;
 pub mod server;
 pub mod table;
+pub mod zmq_source;

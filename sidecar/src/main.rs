@@ -2,7 +2,7 @@
 //! feed (`docs/feed-protocol.md`) plus the admin API. Usage: `sidecar/README.md`.
 
 use clap::Parser;
-use kvroute_sidecar::{config, fleet, health, ingest, server};
+use kvroute_sidecar::{config, fleet, health, ingest, server, zmq_source};
 use std::collections::hash_map::RandomState;
 use std::hash::{BuildHasher, Hasher};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -35,7 +35,9 @@ fn new_epoch() -> u64 {
 fn run(config: config::Config) -> Result<(), String> {
     let started = Instant::now();
     let fleet = Arc::new(Mutex::new(fleet::Fleet::new(&config, new_epoch())));
-    let ingest = ingest::Ingest::new(&config, fleet.clone())?;
+    let streams = ingest::streams(&config);
+    let source = zmq_source::ZmqSource::connect(&streams, &config.topic)?;
+    let ingest = ingest::Ingest::new(&config, &streams, source, fleet.clone());
     let stop = Arc::new(AtomicBool::new(false));
     let ingest_thread = {
         let stop = stop.clone();

@@ -5,6 +5,7 @@ use bytes::Bytes;
 use http_body_util::Full;
 use hyper::body::Incoming;
 use hyper::{Method, Request, Response, StatusCode};
+use kvroute_serve::respond;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -25,15 +26,6 @@ impl App {
 }
 
 type Resp = Response<Full<Bytes>>;
-
-fn respond(status: StatusCode, content_type: &str, body: impl Into<Bytes>) -> Resp {
-    let mut r = Response::new(Full::new(body.into()));
-    *r.status_mut() = status;
-    if let Ok(v) = content_type.parse() {
-        r.headers_mut().insert(hyper::header::CONTENT_TYPE, v);
-    }
-    r
-}
 
 fn json(status: StatusCode, v: &serde_json::Value) -> Resp {
     respond(status, "application/json", v.to_string())

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 from harness import ROOT
+from harness.paths import WASM
 
 
 def test_routing_quality_runs_every_policy(tmp_path):
@@ -50,6 +51,27 @@ def test_routing_quality_runs_the_header_path_too(tmp_path):
     assert runs[1]["scored"] == runs[1]["requests"] == 8
     # Later turns reuse earlier ones: the engines' answers came back as token ids.
     assert runs[1]["hit_rate"] > 0.5, runs[1]
+
+
+def test_envoy_overhead_measures_another_build_beside_this_one(tmp_path):
+    """benches/envoy_overhead.py --build: the same variants with a second kvroute.wasm, in
+    the same rounds (here the same file twice: the same routing, counted the same). A 32k
+    prompt, whose header only the benchmark's Python client sends (no wrk needed)."""
+    out = tmp_path / "overhead.json"
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "benches" / "envoy_overhead.py"), "--rounds", "1", "--duration", "1",
+         "--cases", "32768:base64", "--variants", "plain,warm", "--build", f"again={WASM}", "--json", str(out)],
+        capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    [row] = json.loads(out.read_text())
+    assert set(row) == {"tokens", "encoding", "plain", "warm", "warm@again"}
+    for v in ("warm", "warm@again"):
+        assert row[v]["filter_requests"] == row[v]["scored"] > 0, row[v]
+        assert row[v]["hit_rate"] > 0.5, row[v]
+    assert row["warm"]["shared_reads_per_request"] == row["warm@again"]["shared_reads_per_request"]
+    bad = subprocess.run([sys.executable, str(ROOT / "benches" / "envoy_overhead.py"), "--build", "nolabel"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "LABEL=PATH" in bad.stderr
 
 
 def test_the_prefix_hash_ring_is_the_same_every_run():

@@ -118,17 +118,12 @@ fn header_name(field: &str, v: Option<String>, default: String) -> Result<String
 
 impl Config {
     pub fn load(cli: &Cli) -> Result<Config, String> {
-        let file = match &cli.config {
-            None => FileConfig::default(),
-            Some(path) => kvroute_serve::read_toml(path)?,
-        };
-        Self::from_parts(file, cli)
+        Self::from_parts(kvroute_serve::read_toml(cli.config.as_deref())?, cli)
     }
 
     /// From TOML text and flags (tests use this).
     pub fn from_toml(text: &str, cli: &Cli) -> Result<Config, String> {
-        let file: FileConfig = kvroute_serve::parse_toml(text)?;
-        Self::from_parts(file, cli)
+        Self::from_parts(kvroute_serve::parse_toml(text)?, cli)
     }
 
     fn from_parts(f: FileConfig, cli: &Cli) -> Result<Config, String> {

@@ -7,6 +7,7 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
 use hyper::{Method, Request, Response, StatusCode};
+use kvroute_serve::respond;
 use serde_json::{json, Map, Value};
 use std::sync::Arc;
 
@@ -17,15 +18,6 @@ pub struct App {
 }
 
 type Resp = Response<Full<Bytes>>;
-
-fn respond(status: StatusCode, content_type: &str, body: impl Into<Bytes>) -> Resp {
-    let mut r = Response::new(Full::new(body.into()));
-    *r.status_mut() = status;
-    if let Ok(v) = content_type.parse() {
-        r.headers_mut().insert(hyper::header::CONTENT_TYPE, v);
-    }
-    r
-}
 
 /// vLLM's `ErrorResponse`.
 fn error(status: StatusCode, message: &str) -> Resp {

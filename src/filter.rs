@@ -1,0 +1,301 @@
+//! The HTTP filter's policy, host-independent: per request, strip the headers clients may
+//! not set, read the token header, route, set the destination; release the request's
+//! in-flight blocks when its stream ends. A host (the proxy-wasm glue, a native module)
+//! calls these hooks from its own callbacks and owns nothing else.
+//!
+//! One [`Filter`] serves the streams of one Envoy worker thread; its per-request state is
+//! a [`Stream`] the host keeps beside its own stream context.
+
+use crate::config::{ConfigError, FilterConfig};
+use crate::hash::namespace;
+use crate::host::{BatchedCounter, Host, RequestHeaders, Stats};
+use crate::router::{Decision, Fallback, Held, Router, TokenSource};
+use crate::tokens::{TokenEncoding, TokenError};
+use std::time::Duration;
+
+/// Stats reach the host every this many requests, and on every tick.
+const FLUSH_EVERY: u32 = 64;
+
+/// The host's tick period for [`Filter::flush`].
+pub const FLUSH_PERIOD: Duration = Duration::from_millis(100);
+
+/// Finished streams whose blocks are released together: one update per bucket and one of
+/// the load for the whole batch instead of per stream. A stream's blocks stay counted in
+/// flight until its batch goes, at most [`FLUSH_PERIOD`] after it ended.
+const RELEASE_BATCH: usize = 64;
+
+/// Envoy stats (`wasmcustom.kvroute.*`), defined once, batched in the filter.
+struct Metrics {
+    requests: BatchedCounter,
+    scored: BatchedCounter,
+    fallback: Vec<(Fallback, BatchedCounter)>,
+    token_errors: Vec<(&'static str, BatchedCounter)>,
+    blocks_requested: BatchedCounter,
+    blocks_hit: BatchedCounter,
+    layout_errors: BatchedCounter,
+    update_failures: BatchedCounter,
+    shared_reads: BatchedCounter,
+    prefill_releases: BatchedCounter,
+    spilled: BatchedCounter,
+    kept_on_holder: BatchedCounter,
+    unflushed: u32,
+}
+
+impl Metrics {
+    fn define(stats: &dyn Stats) -> Metrics {
+        let counter = |name: &str| BatchedCounter::define(stats, name);
+        Metrics {
+            requests: counter("kvroute.requests"),
+            scored: counter("kvroute.scored"),
+            fallback: Fallback::ALL.iter().map(|f| (*f, counter(&format!("kvroute.fallback.{}", f.name())))).collect(),
+            token_errors: TokenError::REASONS
+                .iter()
+                .map(|r| (*r, counter(&format!("kvroute.token_errors.{r}"))))
+                .collect(),
+            blocks_requested: counter("kvroute.blocks_requested"),
+            blocks_hit: counter("kvroute.blocks_hit"),
+            layout_errors: counter("kvroute.layout_errors"),
+            update_failures: counter("kvroute.update_failures"),
+            shared_reads: counter("kvroute.shared_reads"),
+            prefill_releases: counter("kvroute.prefill_releases"),
+            spilled: counter("kvroute.spilled"),
+            kept_on_holder: counter("kvroute.kept_on_holder"),
+            unflushed: 0,
+        }
+    }
+
+    /// Counts one routed request; returns whether the batch is full.
+    fn record(&mut self, d: &Decision) -> bool {
+        self.requests.inc();
+        match d.fallback {
+            None => self.scored.inc(),
+            Some(f) => {
+                if let Some((_, m)) = self.fallback.iter_mut().find(|(k, _)| *k == f) {
+                    m.inc();
+                }
+            }
+        }
+        if let Some(e) = &d.token_error {
+            if let Some((_, m)) = self.token_errors.iter_mut().find(|(k, _)| *k == e.reason()) {
+                m.inc();
+            }
+        }
+        self.blocks_requested.add(u64::from(d.request_blocks));
+        self.blocks_hit.add(u64::from(d.hits));
+        self.layout_errors.add(u64::from(d.layout_errors));
+        self.update_failures.add(u64::from(d.update_failures));
+        self.shared_reads.add(u64::from(d.shared_reads));
+        self.spilled.add(u64::from(d.spilled));
+        self.kept_on_holder.add(u64::from(d.kept_on_holder));
+        self.unflushed += 1;
+        self.unflushed >= FLUSH_EVERY
+    }
+
+    fn flush(&mut self, stats: &dyn Stats) {
+        self.unflushed = 0;
+        let singles = [
+            &mut self.requests,
+            &mut self.scored,
+            &mut self.blocks_requested,
+            &mut self.blocks_hit,
+            &mut self.layout_errors,
+            &mut self.update_failures,
+            &mut self.shared_reads,
+            &mut self.prefill_releases,
+            &mut self.spilled,
+            &mut self.kept_on_holder,
+        ];
+        let by_kind = self.fallback.iter_mut().map(|(_, c)| c).chain(self.token_errors.iter_mut().map(|(_, c)| c));
+        for c in singles.into_iter().chain(by_kind) {
+            c.flush(stats);
+        }
+    }
+}
+
+/// One request's state between its hooks.
+#[derive(Debug, Default)]
+pub struct Stream {
+    held: Option<Held>,
+    /// The debug response header's value, when configured.
+    debug: Option<String>,
+}
+
+/// The filter of one Envoy worker thread.
+pub struct Filter<H: Host> {
+    host: H,
+    cfg: FilterConfig,
+    router: Router,
+    metrics: Metrics,
+    /// Ended streams whose blocks wait for the next release batch.
+    ended: Vec<Held>,
+    /// Requests that met an undecodable shared-data value or a failed update.
+    problems_seen: u64,
+    /// xorshift state for tie-breaking requests without blocks.
+    entropy: u64,
+}
+
+impl<H: Host> Filter<H> {
+    /// Validates the plugin configuration (JSON); a bad one refuses to load. `seed`: any
+    /// varying number (the time will do), for tie-breaks between equal workers.
+    pub fn configure(host: H, config: &[u8], seed: u64) -> Result<Filter<H>, ConfigError> {
+        let cfg = FilterConfig::from_json(config)?;
+        log::info!(
+            "kvroute: filter configured: mode {:?}, block_size {}, overlap_weight {}, predict_on_route {}",
+            cfg.mode,
+            cfg.block_size,
+            cfg.overlap_weight,
+            cfg.predict_on_route
+        );
+        Ok(Filter {
+            metrics: Metrics::define(&host),
+            router: Router::new(cfg.clone()),
+            cfg,
+            host,
+            ended: Vec::new(),
+            problems_seen: 0,
+            // xorshift needs a nonzero state.
+            entropy: (seed | 1).wrapping_mul(0x9E37_79B9_7F4A_7C15),
+        })
+    }
+
+    pub fn host(&self) -> &H {
+        &self.host
+    }
+
+    fn next_entropy(&mut self) -> u64 {
+        let mut x = self.entropy;
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        self.entropy = x;
+        x
+    }
+
+    /// The request's headers are complete: route it. Sets the destination (and prefiller)
+    /// header, removes what clients may not send and, unless configured to forward them,
+    /// the token headers.
+    pub fn on_request_headers(&mut self, headers: &mut dyn RequestHeaders) -> Stream {
+        let cfg = &self.cfg;
+        // No client picks its own host or forges a decision.
+        for h in cfg.routing_headers() {
+            headers.remove(h);
+        }
+        let b64 = headers.get(&cfg.token_header_b64);
+        let dec = if b64.is_none() { headers.get(&cfg.token_header) } else { None };
+        // The namespace headers matter only for a prompt with tokens: read them then.
+        let (lora, salt) = if b64.is_some() || dec.is_some() {
+            (
+                cfg.lora_header.as_deref().and_then(|h| headers.get(h)),
+                cfg.cache_salt_header.as_deref().and_then(|h| headers.get(h)),
+            )
+        } else {
+            (None, None)
+        };
+        let ns = namespace(lora.as_deref(), salt.as_deref());
+        let tokens = match (&b64, &dec) {
+            (Some(v), _) => TokenSource::Header { value: v, encoding: TokenEncoding::Base64LeU32, namespace: ns },
+            (None, Some(v)) => TokenSource::Header { value: v, encoding: TokenEncoding::Decimal, namespace: ns },
+            (None, None) => TokenSource::Missing,
+        };
+        let entropy = self.next_entropy();
+        let cfg = &self.cfg;
+        let d = self.router.route(self.host.store(), tokens, self.host.now_ms(), entropy);
+
+        if let Some(e) = &d.token_error {
+            log::debug!("kvroute: token header not usable ({e}); routing by load");
+        }
+        if !d.destinations.is_empty() {
+            headers.set(&cfg.destination_header, &d.destinations.join(","));
+        }
+        if let Some(p) = &d.prefiller {
+            headers.set(&cfg.prefiller_header, p);
+        }
+        if !cfg.forward_token_headers {
+            // Removing costs a host call: skip headers known to be absent (the decimal one
+            // is not read when the base64 one is present, so it may still be there).
+            if b64.is_some() {
+                headers.remove(&cfg.token_header_b64);
+            }
+            if b64.is_some() || dec.is_some() {
+                headers.remove(&cfg.token_header);
+            }
+            for (read, name) in [(&lora, &cfg.lora_header), (&salt, &cfg.cache_salt_header)] {
+                if let (Some(_), Some(name)) = (read, name) {
+                    headers.remove(name);
+                }
+            }
+        }
+        if self.metrics.record(&d) {
+            self.metrics.flush(&self.host);
+        }
+        if d.layout_errors > 0 || d.update_failures > 0 {
+            self.problems_seen += 1;
+            // Logged at 1, 2, 4, 8… occurrences: visible, never a flood.
+            if self.problems_seen.is_power_of_two() {
+                log::warn!(
+                    "kvroute: {} shared-data values did not decode, {} in-flight updates gave up \
+                     (occurrence {}; see kvroute.layout_errors / kvroute.update_failures)",
+                    d.layout_errors,
+                    d.update_failures,
+                    self.problems_seen
+                );
+            }
+        }
+        Stream {
+            debug: self.cfg.debug_header.is_some().then(|| d.debug_value()),
+            held: (!d.held.is_empty()).then_some(d.held),
+        }
+    }
+
+    /// Response body bytes arrived. The first ones end the request's prefill: engines
+    /// send headers before prefill and the first token after it (a non-streaming answer's
+    /// first bytes are its end).
+    pub fn on_response_body(&mut self, stream: &mut Stream, body_size: usize) {
+        if body_size == 0 {
+            return;
+        }
+        if let Some(held) = stream.held.as_mut().filter(|h| h.prefilling()) {
+            let (reads, failures) = self.router.end_prefill(self.host.store(), held, self.host.now_ms());
+            let m = &mut self.metrics;
+            m.prefill_releases.inc();
+            m.shared_reads.add(u64::from(reads));
+            m.update_failures.add(u64::from(failures));
+        }
+    }
+
+    /// The response header to add when the debug header is configured: name and value.
+    pub fn debug_header<'a>(&'a self, stream: &'a Stream) -> Option<(&'a str, &'a str)> {
+        Some((self.cfg.debug_header.as_deref()?, stream.debug.as_deref()?))
+    }
+
+    /// The stream ended, however it ended (completion, client abort, upstream reset):
+    /// queues its blocks for release. Calling it again does nothing.
+    pub fn on_stream_end(&mut self, stream: &mut Stream) {
+        if let Some(held) = stream.held.take() {
+            self.ended.push(held);
+            if self.ended.len() >= RELEASE_BATCH {
+                self.release_ended();
+            }
+        }
+    }
+
+    /// Releases the streams that ended since the last call and pushes collected stats to
+    /// the host: on every tick ([`FLUSH_PERIOD`]) and when the host shuts the filter down,
+    /// so nothing stays counted in flight.
+    pub fn flush(&mut self) {
+        self.release_ended();
+        self.metrics.flush(&self.host);
+    }
+
+    fn release_ended(&mut self) {
+        if self.ended.is_empty() {
+            return;
+        }
+        let failures = self.router.release_all(self.host.store(), &self.ended, self.host.now_ms());
+        self.ended.clear();
+        self.metrics.update_failures.add(u64::from(failures));
+    }
+}
+
+#[cfg(test)]
+mod tests;
