@@ -4,12 +4,16 @@
 //! Writers of a key race: the filters on every Envoy worker thread and the sync service
 //! update the same buckets and the same load vector. Each update reads a value with its
 //! CAS token, computes the new value and writes it only if the token still holds;
-//! otherwise it reads again. [`update`] is that loop; [`MemStore`] an in-process store with
-//! the host's semantics; `conformance` (tests) the suite every implementation must pass.
+//! otherwise it reads again. [`update`] is that loop; [`MemStore`] a single-threaded
+//! in-process store with the host's semantics (tests, benches); [`ProcessStore`] the same
+//! for many threads at once (a native host's); `conformance` (tests) the suite every
+//! implementation must pass.
 
 mod mem;
+mod process;
 
 pub use mem::MemStore;
+pub use process::ProcessStore;
 
 /// A shared-data write that did not happen.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -28,6 +32,16 @@ pub type Versioned = (Option<Vec<u8>>, Option<u32>);
 pub trait SharedStore {
     fn get(&self, key: &str) -> Result<Versioned, StoreError>;
     fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError>;
+}
+
+/// A store shared by owners on several threads (the native host's, behind an `Arc`).
+impl<S: SharedStore + ?Sized> SharedStore for std::sync::Arc<S> {
+    fn get(&self, key: &str) -> Result<Versioned, StoreError> {
+        (**self).get(key)
+    }
+    fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
+        (**self).set(key, value, cas)
+    }
 }
 
 /// Compare-and-swap attempts before an update is given up (and counted).
