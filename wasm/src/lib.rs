@@ -14,6 +14,7 @@ mod host;
 
 use host::{StreamRequestHeaders, WasmHost};
 use kvroute_core::filter::{self, Filter};
+use kvroute_core::host::Clock;
 use kvroute_core::sync::{self, SyncService};
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, ContextType};
@@ -45,7 +46,7 @@ impl Root {
     fn configure(root_id: &str, config: &[u8]) -> Option<Root> {
         match root_id {
             FILTER_ROOT_ID => {
-                let seed = kvroute_core::host::Clock::now_ms(&WasmHost);
+                let seed = WasmHost.now_ms();
                 match Filter::configure(WasmHost, config, seed) {
                     Ok(f) => {
                         // Errors ignored: without ticks stats still flush every few requests.
