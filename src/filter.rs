@@ -162,15 +162,6 @@ impl<H: Host> Filter<H> {
         &self.host
     }
 
-    fn next_entropy(&mut self) -> u64 {
-        let mut x = self.entropy;
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        self.entropy = x;
-        x
-    }
-
     /// The request's headers are complete: route it. Sets the destination (and prefiller)
     /// header, removes what clients may not send and, unless configured to forward them,
     /// the token headers.
@@ -197,8 +188,7 @@ impl<H: Host> Filter<H> {
             (None, Some(v)) => TokenSource::Header { value: v, encoding: TokenEncoding::Decimal, namespace: ns },
             (None, None) => TokenSource::Missing,
         };
-        let entropy = self.next_entropy();
-        let cfg = &self.cfg;
+        let entropy = xorshift(&mut self.entropy);
         let d = self.router.route(self.host.store(), tokens, self.host.now_ms(), entropy);
 
         if let Some(e) = &d.token_error {
@@ -242,7 +232,7 @@ impl<H: Host> Filter<H> {
             }
         }
         Stream {
-            debug: self.cfg.debug_header.is_some().then(|| d.debug_value()),
+            debug: cfg.debug_header.is_some().then(|| d.debug_value()),
             held: (!d.held.is_empty()).then_some(d.held),
         }
     }
@@ -295,6 +285,16 @@ impl<H: Host> Filter<H> {
         self.ended.clear();
         self.metrics.update_failures.add(u64::from(failures));
     }
+}
+
+/// The next number of a xorshift sequence (its state must not be 0).
+fn xorshift(state: &mut u64) -> u64 {
+    let mut x = *state;
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    *state = x;
+    x
 }
 
 #[cfg(test)]

@@ -42,10 +42,8 @@ impl SharedStore for MemStore {
     fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
         self.writes.set(self.writes.get() + 1);
         let mut map = self.map.borrow_mut();
-        if let (Some(c), Some((_, cur))) = (cas, map.get(key)) {
-            if c != 0 && c != *cur {
-                return Err(StoreError::CasMismatch);
-            }
+        if !super::cas_holds(cas, map.get(key).map(|(_, t)| *t)) {
+            return Err(StoreError::CasMismatch);
         }
         // Tokens skip 0, which means "unconditional".
         let next = self.next_cas.get().wrapping_add(1).max(1);

@@ -34,6 +34,15 @@ pub trait SharedStore {
     fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError>;
 }
 
+/// Whether a write with token `cas` may replace a key whose token is `current` (`None`: the
+/// key does not exist). A token of `0` or `None`, or a missing key, is unconditional.
+pub(crate) fn cas_holds(cas: Option<u32>, current: Option<u32>) -> bool {
+    match (cas, current) {
+        (Some(c), Some(cur)) => c == 0 || c == cur,
+        _ => true,
+    }
+}
+
 /// A store shared by owners on several threads (the native host's, behind an `Arc`).
 impl<S: SharedStore + ?Sized> SharedStore for std::sync::Arc<S> {
     fn get(&self, key: &str) -> Result<Versioned, StoreError> {

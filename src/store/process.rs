@@ -63,10 +63,8 @@ impl SharedStore for ProcessStore {
 
     fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
         let mut shard = self.shard(key);
-        if let (Some(c), Some((_, cur))) = (cas, shard.get(key)) {
-            if c != 0 && c != *cur {
-                return Err(StoreError::CasMismatch);
-            }
+        if !super::cas_holds(cas, shard.get(key).map(|(_, t)| *t)) {
+            return Err(StoreError::CasMismatch);
         }
         // Taken under the shard's lock: a key's tokens change in the order of its writes.
         let token = self.next_cas();
