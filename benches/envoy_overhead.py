@@ -22,12 +22,14 @@ closed-loop client for 32k-token prompts, whose ~175 KB header wrk cannot send):
 for 2k- and 32k-token prompts (base64 token header; 2k also in decimal). Reports
 throughput relative to plain, added latency, and shared-data reads per request.
 
-`--build LABEL=PATH` (repeatable) measures another kvroute.wasm beside the built one:
-every variant but plain also runs as `VARIANT@LABEL` with that file, in the same rounds
-(a refactor's before and after, or two releases).
+Every variant but plain runs in each build named by `--builds` (default both): `wasm`
+(kvroute.wasm in V8, envoy/envoy.yaml) and `native` (the dynamic module
+libkvroute_native.so, envoy/envoy-native.yaml), as `VARIANT` and `VARIANT@native`, in the
+same rounds. `--build LABEL=PATH` (repeatable) adds another kvroute.wasm or
+libkvroute_native.so as `VARIANT@LABEL` (a refactor's before and after, or two releases).
 
     python3 benches/envoy_overhead.py [--rounds 3] [--duration 8] [--json out.json]
-                                      [--build base=/path/to/other/kvroute.wasm]
+                                      [--builds wasm,native] [--build base=/path/to/kvroute.wasm]
 """
 import argparse
 import base64
@@ -44,9 +46,8 @@ import tempfile
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from harness import Envoy, free_port, render_config, wait_for  # noqa: E402
+from harness import BUILDS, Envoy, free_port, render_config, wait_for  # noqa: E402
 from harness.kvfeed import FeedServer, FeedState  # noqa: E402
-from harness.paths import WASM  # noqa: E402
 
 N_WORKERS = 16
 # The Envoy under test gets core 0 to itself; this script, its load generator, the feed
@@ -237,9 +238,17 @@ def header_of(name, prompt, encoding):
     return "x-prompt-token-ids", ",".join(map(str, prompt))
 
 
+def build_of(path):
+    """The build a kvroute artifact belongs to: a shared object is the native module."""
+    return "native" if pathlib.Path(path).suffix == ".so" else "wasm"
+
+
 def run_variant(name, upstream, prompt, encoding, duration, connections, distinct=0, builds=None):
-    name, _, build = name.partition("@")
-    wasm = (builds or {})[build] if build else WASM
+    """builds: label -> artifact path for `VARIANT@LABEL` (the label `native` without an
+    entry: this checkout's module)."""
+    name, _, label = name.partition("@")
+    artifact = (builds or {}).get(label) or BUILDS[label or "wasm"].artifact
+    build = build_of(artifact)
     workers = [Port(p) for p in upstream.ports]
     state = FeedState()
     state.set_workers([(f"127.0.0.1:{w.port}", "both", True) for w in workers])
@@ -256,11 +265,9 @@ def run_variant(name, upstream, prompt, encoding, duration, connections, distinc
         filter_cfg["predict_on_route"] = False
     if literal:
         filter_cfg.update(active_blocks="in_flight", prefill_load_weight=0)
-    cfg, lp, ap = render_config(workers, feed.port, filter_cfg, wasm=wasm)
-    if name == "plain":
-        hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
-        hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] != "envoy.filters.http.wasm"]
-        del cfg["bootstrap_extensions"]
+    plain = name == "plain"
+    cfg, lp, ap = render_config(workers, feed.port, filter_cfg, wasm=artifact, build=build,
+                                kvroute_filter=not plain, kvroute_sync=not plain)
     envoy = Envoy(cfg, lp, ap, concurrency=1, cpus=ENVOY_CPU)
     try:
         if name != "plain":
@@ -312,21 +319,26 @@ def main():
     ap.add_argument("--distinct", type=int, default=0,
                     help="send this many different prompts in turn (the Python client for every variant)")
     ap.add_argument("--variants", default="plain,notokens,cold_literal,cold,warm_literal,warm")
+    ap.add_argument("--builds", default="wasm,native",
+                    help="this checkout's builds to measure: wasm (VARIANT), native (VARIANT@native)")
     ap.add_argument("--build", action="append", default=[], metavar="LABEL=PATH",
-                    help="another kvroute.wasm, measured as VARIANT@LABEL beside the built one")
+                    help="another kvroute.wasm or libkvroute_native.so, measured as VARIANT@LABEL")
     args = ap.parse_args()
     builds = {}
+    own = [b for b in args.builds.split(",") if b]
+    if not own or any(b not in BUILDS for b in own):
+        ap.error(f"--builds {args.builds!r}: a list of {', '.join(sorted(BUILDS))}")
     for b in args.build:
         label, sep, path = b.partition("=")
-        if not sep or not label or not pathlib.Path(path).is_file():
-            ap.error(f"--build {b!r}: want LABEL=PATH to a kvroute.wasm")
+        if not sep or not label or label in BUILDS or not pathlib.Path(path).is_file():
+            ap.error(f"--build {b!r}: want LABEL=PATH to a kvroute.wasm or libkvroute_native.so "
+                     f"(LABEL not {' or '.join(sorted(BUILDS))})")
         builds[label] = pathlib.Path(path).resolve()
     if ENVOY_CPU is not None:
         os.sched_setaffinity(0, {1})  # inherited by wrk and the upstream Envoy
-    variants = args.variants.split(",")
-    if variants[0] != "plain":
-        variants.insert(0, "plain")
-    variants += [f"{v}@{label}" for label in builds for v in variants if v != "plain"]
+    base = [v for v in args.variants.split(",") if v != "plain"]
+    variants = ["plain"] + (base if "wasm" in own else [])
+    variants += [f"{v}@{label}" for label in ["native"] * ("native" in own) + list(builds) for v in base]
     upstream = Upstream(N_WORKERS)
     results = []
     try:

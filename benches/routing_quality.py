@@ -14,6 +14,8 @@ Policies:
   kvroute_w1_nopredict                 kvroute at weight 1, predict-on-route off
   kvroute_w1_nolimit                   kvroute at weight 1 without the wait limit
   kvroute_w1_notie                     kvroute at weight 1 without the holder tie
+  kvroute_w1_native                    kvroute at weight 1, the native build (the dynamic
+                                       module) in place of the wasm filter: the same routing
   kvroute_w1_p<x>                      with --prefill-sweep: weight 1, prefill_load_weight x
 
 Workloads (each run on a freshly reset fleet): shared prefix (uniform) at light, ~70% and
@@ -95,6 +97,7 @@ def policies(tuned, prefill_sweep=()):
         ("kvroute_w1_nopredict", "kvroute", {"overlap_weight": 1.0, "predict_on_route": False}),
         ("kvroute_w1_nolimit", "kvroute", {"overlap_weight": 1.0, "wait_slack_per_hit": None}),
         ("kvroute_w1_notie", "kvroute", {"overlap_weight": 1.0, "holder_tie_per_hit": None}),
+        ("kvroute_w1_native", "kvroute", {"overlap_weight": 1.0}),
     ] + [(f"kvroute_w1_p{p:g}", "kvroute", {"overlap_weight": 1.0, "prefill_load_weight": p}) for p in prefill_sweep]
 
 
@@ -267,7 +270,8 @@ def main():
                 filter_cfg.update(fcfg or {})
                 cfg, lp, adm = render_config(engines, sidecar.port, filter_cfg, listener_port=port, policy=policy,
                                              sync_config={"poll_timeout_ms": 5000, "stale_after_ms": 15000},
-                                             tokenizer_port=stage.grpc_port if stage else None)
+                                             tokenizer_port=stage.grpc_port if stage else None,
+                                             build="native" if label.endswith("_native") else "wasm")
                 envoy = procs.add(Envoy(cfg, lp, adm, concurrency=2))
                 if policy == "kvroute":
                     wait_synced(envoy, sidecar)
@@ -287,7 +291,7 @@ def main():
                 # and how many the stage tokenized: a run that silently routed by load shows.
                 scored = 0
                 if policy == "kvroute":
-                    # The filters' counters reach Envoy on their next tick.
+                    # The wasm filters' counters reach Envoy on their next tick.
                     wait_for(lambda: envoy.stat("kvroute.requests") >= r["requests"], what="the filters' counters")
                     scored = envoy.stat("kvroute.scored")
                 procs.stop(envoy)

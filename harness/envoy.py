@@ -8,7 +8,7 @@ import urllib.request
 
 import yaml
 
-from .paths import ENVOY_YAML, WASM
+from .paths import ENVOY_NATIVE_YAML, ENVOY_YAML, NATIVE, WASM
 from .procs import Service, free_port, ready_or_stop, wait_for, wait_http_ok
 
 
@@ -31,17 +31,63 @@ ENVOY_POLICIES = {
 PREFIX_HASH_HEADER = "x-prefix-hash"
 
 
+class _Build:
+    """Where one build's kvroute parts sit in its shipped config."""
+
+    def __init__(self, yaml_path, filter_name, artifact):
+        self.yaml_path, self.filter_name, self.artifact = yaml_path, filter_name, artifact
+
+    def filter(self, hcm):
+        return next(f for f in hcm["http_filters"] if f["name"] == self.filter_name)
+
+
+class _Wasm(_Build):
+    def set_filter(self, f, path, config):
+        f["typed_config"]["config"]["vm_config"]["code"]["local"]["filename"] = str(path)
+        if config is not None:
+            f["typed_config"]["config"]["configuration"]["value"] = json.dumps(config)
+
+    def set_sync(self, ext, path, config):
+        sync = ext["typed_config"]["config"]
+        sync["vm_config"]["code"]["local"]["filename"] = str(path)
+        sync["configuration"]["value"] = json.dumps(config)
+
+
+class _Native(_Build):
+    def set_filter(self, f, path, config):
+        f["typed_config"]["dynamic_module_config"]["module"]["local"]["filename"] = str(path)
+        if config is not None:
+            f["typed_config"]["filter_config"]["value"] = json.dumps(config)
+
+    def set_sync(self, ext, path, config):
+        ext["typed_config"]["dynamic_module_config"]["module"]["local"]["filename"] = str(path)
+        ext["typed_config"]["extension_config"]["value"] = json.dumps(config)
+
+
+# The two builds of kvroute: the proxy-wasm filter (envoy/envoy.yaml) and the dynamic
+# module (envoy/envoy-native.yaml); the same configuration JSON and behaviour.
+BUILDS = {
+    "wasm": _Wasm(ENVOY_YAML, "envoy.filters.http.wasm", WASM),
+    "native": _Native(ENVOY_NATIVE_YAML, "envoy.filters.http.dynamic_modules", NATIVE),
+}
+
+
 def render_config(workers, feed_port, filter_config=None, sync_config=None,
-                  listener_port=None, admin_port=None, wasm=WASM, policy="kvroute", tokenizer_port=None,
-                  kvroute_filter=True, kvroute_sync=True):
-    """envoy/envoy.yaml with this test's ports, upstreams and plugin configurations.
+                  listener_port=None, admin_port=None, wasm=None, policy="kvroute", tokenizer_port=None,
+                  kvroute_filter=True, kvroute_sync=True, build="wasm"):
+    """envoy/envoy.yaml (build "wasm") or envoy/envoy-native.yaml (build "native") with this
+    test's ports, upstreams and plugin configurations.
+    wasm: the build's file to load instead of this checkout's (kvroute.wasm, or the
+    native module's .so).
     policy: "kvroute" (the file as it is), or one of Envoy's own (ENVOY_POLICIES): the
     same bootstrap without the kvroute filter and singleton, that policy on `workers`.
     tokenizer_port: the tokenizer stage's gRPC port; None: no stage (the ext_proc filter,
     its cluster and its per-route settings are taken out, so requests carry their own
     token headers as before). kvroute_filter / kvroute_sync False: policy "kvroute" with
-    that wasm part taken out (the override_host policy's fallback then routes)."""
-    cfg = yaml.safe_load(ENVOY_YAML.read_text())
+    that kvroute part taken out (the override_host policy's fallback then routes)."""
+    b = BUILDS[build]
+    artifact = wasm or b.artifact
+    cfg = yaml.safe_load(b.yaml_path.read_text())
     _set_tokenizer(cfg, tokenizer_port)
     listener_port = listener_port or free_port()
     admin_port = admin_port or free_port()
@@ -50,19 +96,14 @@ def render_config(workers, feed_port, filter_config=None, sync_config=None,
     listener["address"]["socket_address"]["address"] = "127.0.0.1"
     listener["address"]["socket_address"]["port_value"] = listener_port
     hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
-    wasm_filter = next(f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.wasm")
-    wasm_filter["typed_config"]["config"]["vm_config"]["code"]["local"]["filename"] = str(wasm)
-    if filter_config is not None:
-        wasm_filter["typed_config"]["config"]["configuration"]["value"] = json.dumps(filter_config)
-    sync = cfg["bootstrap_extensions"][0]["typed_config"]["config"]
-    sync["vm_config"]["code"]["local"]["filename"] = str(wasm)
+    b.set_filter(b.filter(hcm), artifact, filter_config)
     sync_cfg = {"poll_timeout_ms": 1000, "retry_interval_ms": 100, "stale_after_ms": 2500}
     sync_cfg.update(sync_config or {})
-    sync["configuration"]["value"] = json.dumps(sync_cfg)
+    b.set_sync(cfg["bootstrap_extensions"][0], artifact, sync_cfg)
     if policy != "kvroute":
         kvroute_filter = kvroute_sync = False
     if not kvroute_filter:
-        hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] != "envoy.filters.http.wasm"]
+        hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] != b.filter_name]
     if not kvroute_sync:
         del cfg["bootstrap_extensions"]
     if policy != "kvroute":
@@ -110,9 +151,11 @@ def _set_tokenizer(cfg, port):
 
 class Envoy(Service):
     def __init__(self, config, listener_port, admin_port, concurrency=2, cpus=None):
-        if not WASM.exists():
-            raise RuntimeError(f"{WASM} missing: build it with "
-                               "`cargo build --target wasm32-unknown-unknown --release`")
+        text = json.dumps(config)
+        for path, build in ((WASM, "cargo build --target wasm32-unknown-unknown --release"),
+                            (NATIVE, "cargo build --release -p kvroute-native")):
+            if str(path) in text and not path.exists():
+                raise RuntimeError(f"{path} missing: build it with `{build}`")
         self._workdir("envoy")
         self.config_path = os.path.join(self.dir, "envoy.json")
         with open(self.config_path, "w") as f:
@@ -121,7 +164,7 @@ class Envoy(Service):
         self.admin = admin_port
         pin = ["taskset", "-c", cpus] if cpus else []
         self._spawn(pin + [envoy_binary(), "-c", self.config_path, "--concurrency", str(concurrency),
-                           "--base-id", str(admin_port), "-l", "warning", "--component-log-level", "wasm:info"])
+                           "--base-id", str(admin_port), "-l", "warning", "--component-log-level", "wasm:info,dynamic_modules:info"])
         ready_or_stop(self, self._wait_ready)
 
     def _wait_ready(self, timeout=30):
@@ -143,6 +186,18 @@ class Envoy(Service):
             if k.endswith(name):
                 return v
         return 0
+
+    def worker_gauges(self, name):
+        """A per-worker kvroute gauge (`kvroute.active_blocks`) by worker, each keyed as the
+        wasm build names it: the worker id with every other character than a letter or
+        digit as `_`. (The native build cannot define stats once configured, so it labels
+        one gauge by worker: `kvroute.active_blocks.worker.<id>` in /stats.)"""
+        out = {}
+        for k, v in self.stats(re.escape(name + ".")).items():
+            worker = k.split(name + ".", 1)[1]
+            worker = worker[len("worker."):] if worker.startswith("worker.") else worker
+            out[re.sub(r"[^A-Za-z0-9]", "_", worker)] = v
+        return out
 
     def request(self, path="/v1/completions", headers=None, body=b"{}", method="POST", timeout=10):
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)

@@ -3,8 +3,10 @@ import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 WASM = ROOT / "target" / "wasm32-unknown-unknown" / "release" / "kvroute.wasm"
+NATIVE = ROOT / "target" / "release" / "libkvroute_native.so"  # the dynamic module
 SIDECAR = ROOT / "target" / "release" / "kvroute-sidecar"
 FLEET = ROOT / "target" / "release" / "kvroute-fleet"
 TOKENIZER = ROOT / "target" / "release" / "kvroute-tokenizer"
 ENVOY_YAML = ROOT / "envoy" / "envoy.yaml"
+ENVOY_NATIVE_YAML = ROOT / "envoy" / "envoy-native.yaml"
 TOKENIZER_DIR = ROOT / "target" / "tokenizers" / "qwen3"  # scripts/fetch-tokenizer.sh

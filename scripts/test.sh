@@ -3,9 +3,10 @@
 #   1. formatting and lints,
 #   2. the routing core's unit tests, natively and compiled to wasm32 (node runs them),
 #      and the sidecar's unit tests,
-#   3. the release builds: kvroute.wasm and kvroute-sidecar (libzmq is vendored: no system
-#      package needed),
-#   4. integration tests: the filter in a real Envoy; the sidecar against publishers using
+#   3. the release builds: kvroute.wasm, the native module (libkvroute_native.so), the
+#      sidecar (libzmq is vendored: no system package needed), the fleet and the stage,
+#   4. integration tests: the filter in a real Envoy, each test once per build (wasm and
+#      native); the sidecar against publishers using
 #      the engines' own encoder (msgspec) and ZMQ binding (pyzmq), and vLLM's and SGLang's
 #      own KV-event code from their wheels; the simulated fleet's mock engines; all of them
 #      together end to end.
@@ -43,8 +44,9 @@ cargo fmt --all -- --check
 cargo clippy --quiet --workspace --all-targets -- -D warnings
 cargo clippy --quiet --target wasm32-unknown-unknown --lib -- -D warnings  # the core and the glue
 
-step "core, sidecar, fleet and tokenizer-stage tests (native)"
+step "core, native-module, sidecar, fleet and tokenizer-stage tests (native)"
 cargo test --quiet -p kvroute --lib
+cargo test --quiet -p kvroute-native
 cargo test --quiet -p kvroute-serve
 cargo test --quiet -p kvroute-sidecar
 cargo test --quiet -p kvroute-fleet
@@ -54,9 +56,9 @@ step "core unit tests (wasm32, in node)"
 CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUNNER=wasm-bindgen-test-runner \
   cargo test --target wasm32-unknown-unknown -p kvroute --lib  # the runner rejects --quiet
 
-step "building kvroute.wasm, kvroute-sidecar, kvroute-fleet and kvroute-tokenizer"
+step "building kvroute.wasm, libkvroute_native.so, kvroute-sidecar, kvroute-fleet and kvroute-tokenizer"
 cargo build --quiet --target wasm32-unknown-unknown --release
-cargo build --quiet --release -p kvroute-sidecar -p kvroute-fleet -p kvroute-tokenizer
+cargo build --quiet --release -p kvroute-native -p kvroute-sidecar -p kvroute-fleet -p kvroute-tokenizer
 
 step "integration tests (real Envoy, real ZMQ publishers)"
 python3 -m pytest tests/integration -q -p no:cacheprovider

@@ -43,6 +43,19 @@ pub enum Mode {
     Pd,
 }
 
+/// How the chosen worker reaches Envoy's load balancer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DestinationVia {
+    /// The ranked list in `destination_header`, for the cluster's `override_host` policy
+    /// (every build).
+    Header,
+    /// The best worker through Envoy's upstream override host (the native build only: no
+    /// proxy-wasm call exists for it), the rest of the ranking in `destination_header` for
+    /// retries. Works on a cluster with any load-balancing policy.
+    UpstreamOverride,
+}
+
 /// What `active_blocks(w)` in the cost function counts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -67,6 +80,7 @@ struct RawFilterConfig {
     decode_overlap_weight: Option<f64>,
     mode: Mode,
     destination_header: String,
+    destination_via: DestinationVia,
     prefiller_header: String,
     max_endpoints: usize,
     predict_on_route: bool,
@@ -95,6 +109,7 @@ impl Default for RawFilterConfig {
             decode_overlap_weight: None,
             mode: Mode::Aggregated,
             destination_header: "x-gateway-destination-endpoint".into(),
+            destination_via: DestinationVia::Header,
             prefiller_header: "x-prefiller-host-port".into(),
             max_endpoints: 3,
             predict_on_route: true,
@@ -129,6 +144,7 @@ pub struct FilterConfig {
     pub decode_overlap_weight: f64,
     pub mode: Mode,
     pub destination_header: String,
+    pub destination_via: DestinationVia,
     pub prefiller_header: String,
     /// Length of the ranked destination list (the first is the choice, the rest are what
     /// Envoy's retries try next).
@@ -253,6 +269,7 @@ impl FilterConfig {
             decode_overlap_weight: decode,
             mode: raw.mode,
             destination_header,
+            destination_via: raw.destination_via,
             prefiller_header,
             max_endpoints: raw.max_endpoints,
             predict_on_route: raw.predict_on_route,
@@ -396,6 +413,9 @@ mod tests {
         assert_eq!(c.holder_tie_per_hit, Some(DEFAULT_HOLDER_TIE_PER_HIT));
         let untied = FilterConfig::from_json(br#"{"holder_tie_per_hit": null}"#).unwrap();
         assert_eq!(untied.holder_tie_per_hit, None);
+        assert_eq!(c.destination_via, DestinationVia::Header);
+        let native = FilterConfig::from_json(br#"{"destination_via": "upstream_override"}"#).unwrap();
+        assert_eq!(native.destination_via, DestinationVia::UpstreamOverride);
         let s = SyncConfig::from_json(b" ").unwrap();
         assert_eq!(s.n_buckets, crate::layout::DEFAULT_BUCKETS);
     }
@@ -432,6 +452,7 @@ mod tests {
             (r#"{"holder_tie_per_hit": -1}"#, "holder_tie_per_hit"),
             (r#"{"holder_tie_per_hit": "yes"}"#, "invalid type"),
             (r#"{"active_blocks": "current"}"#, "unknown variant"),
+            (r#"{"destination_via": "cookie"}"#, "unknown variant"),
             (r#"[1]"#, "invalid"),
             (r#"{"#, "invalid"),
         ];

@@ -6,14 +6,15 @@
 //! One [`Filter`] serves the streams of one Envoy worker thread; its per-request state is
 //! a [`Stream`] the host keeps beside its own stream context.
 
-use crate::config::{ConfigError, FilterConfig};
+use crate::config::{ConfigError, DestinationVia, FilterConfig};
 use crate::hash::namespace;
 use crate::host::{BatchedCounter, Host, RequestHeaders, Stats};
 use crate::router::{Decision, Fallback, Held, Router, TokenSource};
 use crate::tokens::{TokenEncoding, TokenError};
 use std::time::Duration;
 
-/// Stats reach the host every this many requests, and on every tick.
+/// Stats reach the host every this many requests, and on every tick (a host without ticks:
+/// after every request, [`Host::ticks`]).
 const FLUSH_EVERY: u32 = 64;
 
 /// The host's tick period for [`Filter::flush`].
@@ -21,10 +22,11 @@ pub const FLUSH_PERIOD: Duration = Duration::from_millis(100);
 
 /// Finished streams whose blocks are released together: one update per bucket and one of
 /// the load for the whole batch instead of per stream. A stream's blocks stay counted in
-/// flight until its batch goes, at most [`FLUSH_PERIOD`] after it ended.
+/// flight until its batch goes, at most [`FLUSH_PERIOD`] after it ended. A host without
+/// ticks releases each stream as it ends.
 const RELEASE_BATCH: usize = 64;
 
-/// Envoy stats (`wasmcustom.kvroute.*`), defined once, batched in the filter.
+/// Envoy stats (`kvroute.*` under the build's prefix), defined once, batched in the filter.
 struct Metrics {
     requests: BatchedCounter,
     scored: BatchedCounter,
@@ -38,6 +40,7 @@ struct Metrics {
     prefill_releases: BatchedCounter,
     spilled: BatchedCounter,
     kept_on_holder: BatchedCounter,
+    override_refused: BatchedCounter,
     unflushed: u32,
 }
 
@@ -60,6 +63,7 @@ impl Metrics {
             prefill_releases: counter("kvroute.prefill_releases"),
             spilled: counter("kvroute.spilled"),
             kept_on_holder: counter("kvroute.kept_on_holder"),
+            override_refused: counter("kvroute.upstream_override_refused"),
             unflushed: 0,
         }
     }
@@ -104,6 +108,7 @@ impl Metrics {
             &mut self.prefill_releases,
             &mut self.spilled,
             &mut self.kept_on_holder,
+            &mut self.override_refused,
         ];
         let by_kind = self.fallback.iter_mut().map(|(_, c)| c).chain(self.token_errors.iter_mut().map(|(_, c)| c));
         for c in singles.into_iter().chain(by_kind) {
@@ -118,6 +123,16 @@ pub struct Stream {
     held: Option<Held>,
     /// The debug response header's value, when configured.
     debug: Option<String>,
+    /// With [`DestinationVia::UpstreamOverride`]: the worker to hand Envoy, and the whole
+    /// ranked list (the header then carries only the rest).
+    upstream_override: Option<(String, String)>,
+}
+
+impl Stream {
+    /// The upstream host the host should ask Envoy for ("ip:port"), if any.
+    pub fn upstream_override(&self) -> Option<&str> {
+        self.upstream_override.as_ref().map(|(best, _)| best.as_str())
+    }
 }
 
 /// The filter of one Envoy worker thread.
@@ -130,8 +145,12 @@ pub struct Filter<H: Host> {
     ended: Vec<Held>,
     /// Requests that met an undecodable shared-data value or a failed update.
     problems_seen: u64,
+    /// Upstream overrides Envoy refused.
+    refusals_seen: u64,
     /// xorshift state for tie-breaking requests without blocks.
     entropy: u64,
+    /// [`Host::ticks`], read once.
+    ticks: bool,
 }
 
 impl<H: Host> Filter<H> {
@@ -139,6 +158,13 @@ impl<H: Host> Filter<H> {
     /// varying number (the time will do), for tie-breaks between equal workers.
     pub fn configure(host: H, config: &[u8], seed: u64) -> Result<Filter<H>, ConfigError> {
         let cfg = FilterConfig::from_json(config)?;
+        if cfg.destination_via == DestinationVia::UpstreamOverride && !host.overrides_upstream() {
+            return Err(ConfigError(
+                "`destination_via`: \"upstream_override\" needs the native build (an Envoy dynamic module); \
+                 proxy-wasm cannot set the upstream host: use \"header\""
+                    .into(),
+            ));
+        }
         log::info!(
             "kvroute: filter configured: mode {:?}, block_size {}, overlap_weight {}, predict_on_route {}",
             cfg.mode,
@@ -148,11 +174,13 @@ impl<H: Host> Filter<H> {
         );
         Ok(Filter {
             metrics: Metrics::define(&host),
+            ticks: host.ticks(),
             router: Router::new(cfg.clone()),
             cfg,
             host,
             ended: Vec::new(),
             problems_seen: 0,
+            refusals_seen: 0,
             // xorshift needs a nonzero state.
             entropy: (seed | 1).wrapping_mul(0x9E37_79B9_7F4A_7C15),
         })
@@ -194,8 +222,18 @@ impl<H: Host> Filter<H> {
         if let Some(e) = &d.token_error {
             log::debug!("kvroute: token header not usable ({e}); routing by load");
         }
-        if !d.destinations.is_empty() {
-            headers.set(&cfg.destination_header, &d.destinations.join(","));
+        let mut upstream_override = None;
+        match (cfg.destination_via, d.destinations.split_first()) {
+            (_, None) => {}
+            (DestinationVia::Header, Some(_)) => headers.set(&cfg.destination_header, &d.destinations.join(",")),
+            (DestinationVia::UpstreamOverride, Some((best, rest))) => {
+                // The first attempt goes to `best` directly; Envoy's retries skip the
+                // override and ask the cluster's policy, which reads the rest in order.
+                if !rest.is_empty() {
+                    headers.set(&cfg.destination_header, &rest.join(","));
+                }
+                upstream_override = Some((best.clone(), d.destinations.join(",")));
+            }
         }
         if let Some(p) = &d.prefiller {
             headers.set(&cfg.prefiller_header, p);
@@ -215,7 +253,7 @@ impl<H: Host> Filter<H> {
                 }
             }
         }
-        if self.metrics.record(&d) {
+        if self.metrics.record(&d) || !self.ticks {
             self.metrics.flush(&self.host);
         }
         if d.layout_errors > 0 || d.update_failures > 0 {
@@ -234,6 +272,28 @@ impl<H: Host> Filter<H> {
         Stream {
             debug: cfg.debug_header.is_some().then(|| d.debug_value()),
             held: (!d.held.is_empty()).then_some(d.held),
+            upstream_override,
+        }
+    }
+
+    /// Envoy refused the stream's upstream override (an id that is not an IP address and
+    /// port): the whole ranking goes in the destination header instead, counted.
+    pub fn on_upstream_override_refused(&mut self, stream: &mut Stream, headers: &mut dyn RequestHeaders) {
+        if let Some((best, all)) = stream.upstream_override.take() {
+            headers.set(&self.cfg.destination_header, &all);
+            self.metrics.override_refused.inc();
+            self.refusals_seen += 1;
+            // Logged at 1, 2, 4, 8… occurrences, as the shared-data problems.
+            if self.refusals_seen.is_power_of_two() {
+                log::warn!(
+                    "kvroute: Envoy refused {best:?} as the upstream host (not an IP address and port?); routing \
+                     by the destination header (occurrence {}; see kvroute.upstream_override_refused)",
+                    self.refusals_seen
+                );
+            }
+            if !self.ticks {
+                self.metrics.flush(&self.host);
+            }
         }
     }
 
@@ -250,6 +310,9 @@ impl<H: Host> Filter<H> {
             m.prefill_releases.inc();
             m.shared_reads.add(u64::from(reads));
             m.update_failures.add(u64::from(failures));
+            if !self.ticks {
+                m.flush(&self.host);
+            }
         }
     }
 
@@ -263,7 +326,9 @@ impl<H: Host> Filter<H> {
     pub fn on_stream_end(&mut self, stream: &mut Stream) {
         if let Some(held) = stream.held.take() {
             self.ended.push(held);
-            if self.ended.len() >= RELEASE_BATCH {
+            if !self.ticks {
+                self.flush();
+            } else if self.ended.len() >= RELEASE_BATCH {
                 self.release_ended();
             }
         }

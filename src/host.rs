@@ -11,6 +11,18 @@ use std::time::Duration;
 pub trait Host: Clock + Stats {
     type Store: SharedStore;
     fn store(&self) -> &Self::Store;
+    /// Whether the host calls [`crate::filter::Filter::flush`] every
+    /// [`crate::filter::FLUSH_PERIOD`] (proxy-wasm's ticks). A host without a tick on the
+    /// threads that route (a native module's worker threads) gets every stat and every
+    /// ended stream's release pushed at once instead of batched.
+    fn ticks(&self) -> bool {
+        true
+    }
+    /// Whether the host can hand Envoy an upstream host for the request directly
+    /// ([`crate::config::DestinationVia::UpstreamOverride`]); proxy-wasm cannot.
+    fn overrides_upstream(&self) -> bool {
+        false
+    }
 }
 
 /// Wall-clock time. Read once per event and passed down, so the policy's tests set it.
@@ -34,6 +46,14 @@ pub struct StatId(pub u32);
 pub trait Stats {
     /// `None`: the host refused; the stat is then a no-op, not an error on every request.
     fn define_stat(&self, kind: StatKind, name: &str) -> Option<StatId>;
+    /// A gauge of one worker (`kvroute.active_blocks` of `10.0.0.1:8000`), defined when the
+    /// worker first shows up. By default the stat `<name>.<worker>`, with every character
+    /// of the worker id that is not a letter or digit as `_` (stat names split on `.`). A
+    /// host that can define stats only at configuration time labels one gauge instead.
+    fn define_worker_gauge(&self, name: &str, worker: &str) -> Option<StatId> {
+        let worker: String = worker.chars().map(|c| if c.is_ascii_alphanumeric() { c } else { '_' }).collect();
+        self.define_stat(StatKind::Gauge, &format!("{name}.{worker}"))
+    }
     fn add_to_counter(&self, id: StatId, n: u64);
     fn set_gauge(&self, id: StatId, value: u64);
 }
@@ -58,7 +78,7 @@ pub struct PollRequest<'a> {
 /// The poll driver: sends a poll and later hands its answer to
 /// [`crate::sync::SyncService::on_poll_response`] with the token returned here.
 pub trait FeedClient {
-    fn dispatch_poll(&self, request: &PollRequest<'_>) -> Result<u32, String>;
+    fn dispatch_poll(&self, request: &PollRequest<'_>) -> Result<u64, String>;
 }
 
 /// A counter, or nothing if the host refused to define it.
@@ -83,6 +103,9 @@ pub struct Gauge(Option<StatId>);
 impl Gauge {
     pub fn define(stats: &dyn Stats, name: &str) -> Gauge {
         Gauge(stats.define_stat(StatKind::Gauge, name))
+    }
+    pub fn define_for_worker(stats: &dyn Stats, name: &str, worker: &str) -> Gauge {
+        Gauge(stats.define_worker_gauge(name, worker))
     }
     pub fn set(self, stats: &dyn Stats, value: u64) {
         if let Some(id) = self.0 {
@@ -137,7 +160,11 @@ pub(crate) mod testing {
         /// Every poll sent: cluster, authority, path, timeout.
         pub polls: RefCell<Vec<(String, String, String, Duration)>>,
         /// The next poll's outcome: a token, or the host's refusal.
-        pub poll_result: RefCell<Result<u32, String>>,
+        pub poll_result: RefCell<Result<u64, String>>,
+        /// Whether the host ticks (see [`Host::ticks`]).
+        pub ticks: bool,
+        /// Whether the host can override the upstream host (see [`Host::overrides_upstream`]).
+        pub overrides_upstream: bool,
     }
 
     impl TestHost {
@@ -150,6 +177,8 @@ pub(crate) mod testing {
                 refused_stats: Vec::new(),
                 polls: RefCell::default(),
                 poll_result: RefCell::new(Ok(1)),
+                ticks: true,
+                overrides_upstream: false,
             }
         }
         pub fn advance(&self, ms: u64) {
@@ -172,6 +201,12 @@ pub(crate) mod testing {
         type Store = MemStore;
         fn store(&self) -> &MemStore {
             &self.store
+        }
+        fn ticks(&self) -> bool {
+            self.ticks
+        }
+        fn overrides_upstream(&self) -> bool {
+            self.overrides_upstream
         }
     }
 
@@ -205,7 +240,7 @@ pub(crate) mod testing {
     }
 
     impl FeedClient for TestHost {
-        fn dispatch_poll(&self, r: &PollRequest<'_>) -> Result<u32, String> {
+        fn dispatch_poll(&self, r: &PollRequest<'_>) -> Result<u64, String> {
             self.polls.borrow_mut().push((
                 r.cluster.to_string(),
                 r.authority.to_string(),

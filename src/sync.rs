@@ -21,6 +21,10 @@ use std::time::Duration;
 /// kept admin reads waiting 0.4 s, against 0.1 s at this one (docs/benchmarks.md).
 pub const TICK: Duration = Duration::from_millis(100);
 
+/// The per-worker load gauges ([`crate::host::Stats::define_worker_gauge`]).
+pub const ACTIVE_BLOCKS_GAUGE: &str = "kvroute.active_blocks";
+pub const PREFILL_BLOCKS_GAUGE: &str = "kvroute.prefill_blocks";
+
 /// A poll's answer may take this long beyond the long poll's own timeout.
 const POLL_GRACE_MS: u64 = 5_000;
 
@@ -65,8 +69,8 @@ pub struct SyncService<H: Host + FeedClient> {
     metrics: Metrics,
     /// `kvroute.active_blocks.<worker>` and `kvroute.prefill_blocks.<worker>`, by slot.
     load_gauges: Vec<(Gauge, Gauge)>,
-    /// The token of the poll in flight.
-    in_flight: Option<u32>,
+    /// The token of the poll in flight, and when to stop waiting for its answer.
+    in_flight: Option<(u64, u64)>,
     next_poll_ms: u64,
     last_ok_ms: u64,
     consecutive_failures: u32,
@@ -140,6 +144,13 @@ impl<H: Host + FeedClient> SyncService<H> {
             // a failed write's retry.
             self.publish();
         }
+        if let Some((_, deadline)) = self.in_flight.filter(|(_, deadline)| now > *deadline) {
+            // The host answers every poll by its timeout; one that never came (lost in the
+            // host) must not stop the feed for good.
+            log::warn!("kvroute-sync: no answer to the poll by {deadline} ms; polling again");
+            self.in_flight = None;
+            self.failed();
+        }
         if self.in_flight.is_none() && now >= self.next_poll_ms {
             self.poll();
         }
@@ -154,10 +165,8 @@ impl<H: Host + FeedClient> SyncService<H> {
         let table = self.index.table();
         for (slot, w) in table.slots.iter().enumerate() {
             if slot == self.load_gauges.len() {
-                // Stat names split on '.', so the id's dots and colon become '_'.
-                let name: String = w.id.chars().map(|c| if c.is_ascii_alphanumeric() { c } else { '_' }).collect();
-                let gauge = |what: &str| Gauge::define(&self.host, &format!("kvroute.{what}.{name}"));
-                self.load_gauges.push((gauge("active_blocks"), gauge("prefill_blocks")));
+                let gauge = |name: &str| Gauge::define_for_worker(&self.host, name, &w.id);
+                self.load_gauges.push((gauge(ACTIVE_BLOCKS_GAUGE), gauge(PREFILL_BLOCKS_GAUGE)));
             }
             let (active, prefill) = self.load_gauges[slot];
             active.set(&self.host, u64::from(load.get(slot)));
@@ -175,7 +184,10 @@ impl<H: Host + FeedClient> SyncService<H> {
             timeout: Duration::from_millis(self.cfg.poll_timeout_ms + POLL_GRACE_MS),
         };
         match self.host.dispatch_poll(&request) {
-            Ok(token) => self.in_flight = Some(token),
+            Ok(token) => {
+                let deadline = self.host.now_ms() + request.timeout.as_millis() as u64 + POLL_GRACE_MS;
+                self.in_flight = Some((token, deadline));
+            }
             Err(e) => {
                 log::warn!("kvroute-sync: cannot call cluster {}: {e}", self.cfg.feed_cluster);
                 self.failed();
@@ -196,12 +208,12 @@ impl<H: Host + FeedClient> SyncService<H> {
     /// `max_frame_bytes`). Answers to other tokens are ignored.
     pub fn on_poll_response(
         &mut self,
-        token: u32,
+        token: u64,
         status: Option<u32>,
         body_size: usize,
         read_body: impl FnOnce() -> Option<Vec<u8>>,
     ) {
-        if self.in_flight != Some(token) {
+        if self.in_flight.map(|(t, _)| t) != Some(token) {
             return;
         }
         self.in_flight = None;

@@ -182,7 +182,9 @@ fn decode_base64(value: &[u8], max_tokens: usize, out: &mut Vec<u8>) -> Result<u
     let whole = body.len() / 4 * 4;
     #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
     let first_quad = simd::decode_prefix(&body[..whole], out) / 4;
-    #[cfg(not(all(target_arch = "wasm32", target_feature = "simd128")))]
+    #[cfg(target_arch = "x86_64")]
+    let first_quad = simd_x86::decode_prefix(&body[..whole], out) / 4;
+    #[cfg(not(any(all(target_arch = "wasm32", target_feature = "simd128"), target_arch = "x86_64")))]
     let first_quad = 0;
     for (q, quad) in body[..whole].chunks_exact(4).enumerate().skip(first_quad) {
         let [a, b, c, d] = [quad[0], quad[1], quad[2], quad[3]].map(|ch| BASE64[ch as usize]);
@@ -246,6 +248,66 @@ mod simd {
             // SAFETY: i / 4 * 3 + 16 <= out.len(); the 4 bytes past the 12 decoded ones are
             // overwritten by the next chunk or the scalar tail.
             unsafe { v128_store(out.as_mut_ptr().add(i / 4 * 3).cast::<v128>(), i8x16_swizzle(abcd, pack)) };
+            i += 16;
+        }
+        i
+    }
+}
+
+/// The same decoding with x86-64's SSSE3 (the native build: an Envoy dynamic module, the
+/// sidecar, the stage), chosen at run time: a CPU without SSSE3 takes the scalar path.
+/// `pshufb` zeroes a lane whose index has its high bit set where wasm's swizzle zeroes one
+/// whose index is 16 or more; every index here is 0..=15 or -1, so the tables are the same.
+#[cfg(target_arch = "x86_64")]
+mod simd_x86 {
+    use core::arch::x86_64::*;
+
+    /// As the wasm build's `simd::decode_prefix`: whole 16-character chunks while valid and
+    /// while a 16-byte store fits in `out`; returns the characters consumed.
+    pub fn decode_prefix(chars: &[u8], out: &mut [u8]) -> usize {
+        if std::is_x86_feature_detected!("ssse3") {
+            // SAFETY: the CPU has SSSE3 (checked just above).
+            unsafe { decode_prefix_ssse3(chars, out) }
+        } else {
+            0
+        }
+    }
+
+    #[target_feature(enable = "ssse3")]
+    fn decode_prefix_ssse3(chars: &[u8], out: &mut [u8]) -> usize {
+        let lut_lo = _mm_setr_epi8(
+            0x15, 0x11, 0x11, 0x11, 0x11, 0x11, 0x11, 0x11, 0x11, 0x11, 0x13, 0x1A, 0x1B, 0x1B, 0x1B, 0x1A,
+        );
+        let lut_hi = _mm_setr_epi8(
+            0x10, 0x10, 0x01, 0x02, 0x04, 0x08, 0x04, 0x08, 0x10, 0x10, 0x10, 0x10, 0x10, 0x10, 0x10, 0x10,
+        );
+        let lut_roll = _mm_setr_epi8(0, 16, 19, 4, -65, -65, -71, -71, 0, 0, 0, 0, 0, 0, 0, 0);
+        let pack = _mm_setr_epi8(2, 1, 0, 6, 5, 4, 10, 9, 8, 14, 13, 12, -1, -1, -1, -1);
+        let nibble = _mm_set1_epi8(0x0f);
+        let mut i = 0;
+        while i + 16 <= chars.len() && i / 4 * 3 + 16 <= out.len() {
+            // SAFETY: i + 16 <= chars.len(); an unaligned load.
+            let v = unsafe { _mm_loadu_si128(chars.as_ptr().add(i).cast::<__m128i>()) };
+            // x86 has no 8-bit shift: shift 32-bit lanes and mask each byte's high nibble.
+            let hi = _mm_and_si128(_mm_srli_epi32(v, 4), nibble);
+            let lo = _mm_and_si128(v, nibble);
+            let bad = _mm_and_si128(_mm_shuffle_epi8(lut_lo, lo), _mm_shuffle_epi8(lut_hi, hi));
+            if _mm_movemask_epi8(_mm_cmpeq_epi8(bad, _mm_setzero_si128())) != 0xFFFF {
+                break;
+            }
+            let roll = _mm_shuffle_epi8(lut_roll, _mm_add_epi8(_mm_cmpeq_epi8(v, _mm_set1_epi8(b'/' as i8)), hi));
+            let sextets = _mm_add_epi8(v, roll);
+            let ab = _mm_or_si128(
+                _mm_slli_epi16(_mm_and_si128(sextets, _mm_set1_epi16(0x00ff)), 6),
+                _mm_srli_epi16(sextets, 8),
+            );
+            let abcd =
+                _mm_or_si128(_mm_slli_epi32(_mm_and_si128(ab, _mm_set1_epi32(0xffff)), 12), _mm_srli_epi32(ab, 16));
+            // SAFETY: i / 4 * 3 + 16 <= out.len(); as in the wasm build, the 4 bytes past
+            // the 12 decoded ones are overwritten by the next chunk or the scalar tail.
+            unsafe {
+                _mm_storeu_si128(out.as_mut_ptr().add(i / 4 * 3).cast::<__m128i>(), _mm_shuffle_epi8(abcd, pack))
+            };
             i += 16;
         }
         i
@@ -382,6 +444,27 @@ mod tests {
     #[test]
     fn wasm_build_has_simd() {
         assert!(cfg!(target_feature = "simd128"));
+    }
+
+    /// The native build's SSSE3 decoder takes every whole 16-character chunk of a valid
+    /// value (the scalar path only the tail) and stops at the chunk of an invalid one.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn x86_simd_decodes_whole_chunks() {
+        if !std::is_x86_feature_detected!("ssse3") {
+            return;
+        }
+        let ids: Vec<u32> = (0..1000u32).map(|i| i.wrapping_mul(2_654_435_761)).collect();
+        let text = encode_base64(&ids);
+        let whole = text.len() / 16 * 16;
+        let mut out = vec![0; ids.len() * 4 + 16];
+        assert_eq!(simd_x86::decode_prefix(&text.as_bytes()[..whole], &mut out), whole);
+        let decoded: Vec<u32> =
+            out[..whole / 4 * 3].chunks_exact(4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+        assert_eq!(decoded, ids[..decoded.len()]);
+        let mut bad = text.into_bytes();
+        bad[100] = b'.';
+        assert_eq!(simd_x86::decode_prefix(&bad[..whole], &mut out), 96);
     }
 
     #[test]

@@ -28,7 +28,10 @@ fn decimal(tokens: &[u32]) -> String {
 
 /// A filter over a fleet of `n` workers (`10.0.0.<i>:8000`) whose caches hold `ops`.
 fn filter_over(n: usize, ops: Vec<Op>, config: &str) -> Filter<TestHost> {
-    let host = TestHost::new();
+    filter_on(TestHost::new(), n, ops, config)
+}
+
+fn filter_on(host: TestHost, n: usize, ops: Vec<Op>, config: &str) -> Filter<TestHost> {
     let workers = (0..n).map(|i| FeedWorker { id: format!("10.0.0.{i}:8000"), role: Role::Both, up: true }).collect();
     let mut ix = SyncIndex::new(256);
     sync_write(&host.store, &mut ix, &Frame::snapshot(1, 1, 16, workers, ops));
@@ -37,9 +40,18 @@ fn filter_over(n: usize, ops: Vec<Op>, config: &str) -> Filter<TestHost> {
 
 /// Worker 2 holds the first 8 blocks of `prompt(1, 160)`.
 fn fleet_with_prefix(config: &str) -> (Filter<TestHost>, Vec<u32>) {
+    fleet_with_prefix_on(TestHost::new(), config)
+}
+
+fn fleet_with_prefix_on(host: TestHost, config: &str) -> (Filter<TestHost>, Vec<u32>) {
     let p = prompt(1, 160);
-    let f = filter_over(4, vec![Op::Store { worker: 2, blocks: FeedBlock::chain(&p[..128], 16) }], config);
+    let f = filter_on(host, 4, vec![Op::Store { worker: 2, blocks: FeedBlock::chain(&p[..128], 16) }], config);
     (f, p)
+}
+
+/// A host like a native module's: no ticks, and it can set the upstream host.
+fn native_host() -> TestHost {
+    TestHost { ticks: false, overrides_upstream: true, ..TestHost::new() }
 }
 
 fn active(f: &Filter<TestHost>, slot: usize) -> u32 {
@@ -257,4 +269,46 @@ fn a_bad_configuration_refuses_to_load() {
     let e = Filter::configure(TestHost::new(), br#"{"block_size": 0}"#, 1).err().unwrap();
     assert!(e.to_string().contains("block_size"), "{e}");
     assert!(Filter::configure(TestHost::new(), b"{", 1).is_err());
+}
+
+#[test]
+fn without_ticks_stats_and_releases_reach_the_host_at_once() {
+    let (mut f, p) = fleet_with_prefix_on(native_host(), "{}");
+    let mut s = f.on_request_headers(&mut TestHeaders::with(&[(B64, &encode_base64(&p))]));
+    assert_eq!(f.host().stat("kvroute.requests"), Some(1));
+    assert_eq!((active(&f, 2), pending_prefill(&f, 2)), (10, 2));
+    f.on_response_body(&mut s, 64);
+    assert_eq!(f.host().stat("kvroute.prefill_releases"), Some(1));
+    assert_eq!(pending_prefill(&f, 2), 0);
+    // No tick will come: the end releases the blocks itself.
+    f.on_stream_end(&mut s);
+    assert_eq!(active(&f, 2), 0);
+    assert_eq!(f.host().stat("kvroute.update_failures"), Some(0));
+}
+
+#[test]
+fn the_upstream_override_takes_the_best_worker_and_the_header_the_rest() {
+    let (mut f, p) = fleet_with_prefix_on(native_host(), r#"{"destination_via": "upstream_override"}"#);
+    let mut h = TestHeaders::with(&[(B64, &encode_base64(&p)), (DEST, "6.6.6.6:80")]);
+    let mut s = f.on_request_headers(&mut h);
+    assert_eq!(s.upstream_override(), Some("10.0.0.2:8000"));
+    let rest = h.value(DEST).unwrap().to_string();
+    assert!(rest.split(',').count() == 2 && !rest.contains("10.0.0.2:8000") && !rest.contains("6.6.6.6"), "{rest}");
+    // Envoy refuses it: the whole ranking goes in the header, counted.
+    f.on_upstream_override_refused(&mut s, &mut h);
+    assert_eq!(h.value(DEST).unwrap(), format!("10.0.0.2:8000,{rest}"));
+    assert_eq!(s.upstream_override(), None);
+    assert_eq!(f.host().stat("kvroute.upstream_override_refused"), Some(1));
+    // The header mode hands Envoy nothing directly.
+    let (mut f, p) = fleet_with_prefix_on(native_host(), "{}");
+    let s = f.on_request_headers(&mut TestHeaders::with(&[(B64, &encode_base64(&p))]));
+    assert_eq!(s.upstream_override(), None);
+}
+
+#[test]
+fn the_upstream_override_needs_a_host_that_has_it() {
+    let config = br#"{"destination_via": "upstream_override"}"#;
+    let e = Filter::configure(TestHost::new(), config, 1).err().unwrap();
+    assert!(e.to_string().contains("destination_via"), "{e}");
+    assert!(Filter::configure(native_host(), config, 1).is_ok());
 }

@@ -179,6 +179,25 @@ fn answers_to_other_polls_are_ignored() {
 }
 
 #[test]
+fn a_poll_whose_answer_never_comes_is_given_up_and_sent_again() {
+    let mut s = service();
+    s.on_tick();
+    // The poll's own timeout (5 s + grace) and the host's grace pass without an answer.
+    s.host().advance(15_000);
+    s.on_tick();
+    assert_eq!((polls(&s), s.host().stat("kvroute_sync.polls_failed")), (1, Some(0)));
+    s.host().advance(1);
+    s.on_tick();
+    assert_eq!(s.host().stat("kvroute_sync.polls_failed"), Some(1));
+    // After the retry interval a new poll goes out, and its answer is taken.
+    s.host().advance(1_000);
+    s.on_tick();
+    assert_eq!(polls(&s), 2);
+    answer(&mut s, 200, &snapshot(5, 3));
+    assert_eq!(s.host().stat("kvroute_sync.polls_ok"), Some(1));
+}
+
+#[test]
 fn a_silent_sidecar_makes_the_index_stale() {
     let mut s = synced();
     // The long poll in flight never answers.
@@ -189,7 +208,10 @@ fn a_silent_sidecar_makes_the_index_stale() {
     s.on_tick();
     assert!(!table(&s).index_live);
     assert_eq!(s.host().stat("kvroute_sync.index_live"), Some(0));
-    // It comes back: live again.
+    // The unanswered poll was given up with it; the next one goes out after the retry
+    // interval, and the sidecar is back: live again.
+    s.host().advance(1_000);
+    s.on_tick();
     answer(&mut s, 200, &snapshot(5, 4));
     assert!(table(&s).index_live);
 }

@@ -6,16 +6,18 @@ import pytest
 
 # The processes these tests run are shared with the demo and the benchmarks: harness/.
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
-from harness import Envoy, render_config, wait_for  # noqa: E402
+from harness import BUILDS, Envoy, render_config, wait_for  # noqa: E402
 from harness.kvfeed import FeedServer, FeedState  # noqa: E402
 from upstream import Worker  # noqa: E402
 
 
 class Setup:
-    """A fleet of upstream workers, a feed server and an Envoy running kvroute."""
+    """A fleet of upstream workers, a feed server and an Envoy running kvroute (build
+    "wasm": kvroute.wasm; "native": the dynamic module)."""
 
     def __init__(self, n_workers=3, roles=None, filter_config=None, sync_config=None,
-                 feed=True, concurrency=2):
+                 feed=True, concurrency=2, build="wasm"):
+        self.build = build
         self.workers = [Worker() for _ in range(n_workers)]
         roles = roles or ["both"] * n_workers
         self.state = FeedState()
@@ -24,7 +26,7 @@ class Setup:
         feed_port = self.feed.port if feed else _closed_port()
         fc = {"debug_header": "x-kvroute-debug"}
         fc.update(filter_config or {})
-        cfg, lp, ap = render_config(self.workers, feed_port, fc, sync_config)
+        cfg, lp, ap = render_config(self.workers, feed_port, fc, sync_config, build=build)
         self.envoy = Envoy(cfg, lp, ap, concurrency=concurrency)
         if feed:
             self.wait_synced()
@@ -50,12 +52,19 @@ def _closed_port():
     return free_port()
 
 
+@pytest.fixture(params=sorted(BUILDS))
+def build(request):
+    """Every test that runs kvroute in a real Envoy runs once per build: the wasm filter and
+    the native dynamic module (the same core, the same configuration)."""
+    return request.param
+
+
 @pytest.fixture
-def setup():
+def setup(build):
     made = []
 
     def make(**kw):
-        s = Setup(**kw)
+        s = Setup(build=build, **kw)
         made.append(s)
         return s
 

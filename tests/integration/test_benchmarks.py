@@ -19,7 +19,7 @@ def test_routing_quality_runs_every_policy(tmp_path):
     assert [x["policy"] for x in runs] == [
         "round_robin", "least_request", "random", "prefix_hash",
         "kvroute_w0", "kvroute_w1", "kvroute_w4", "kvroute_w1_literal", "kvroute_w4_literal",
-        "kvroute_w1_nopredict", "kvroute_w1_nolimit", "kvroute_w1_notie"]
+        "kvroute_w1_nopredict", "kvroute_w1_nolimit", "kvroute_w1_notie", "kvroute_w1_native"]
     for x in runs:
         assert x["requests"] == 12 and x["failed"] == 0, x
         # Token-id bodies, through the stage: every request tokenized, and kvroute scored
@@ -53,10 +53,11 @@ def test_routing_quality_runs_the_header_path_too(tmp_path):
     assert runs[1]["hit_rate"] > 0.5, runs[1]
 
 
-def test_envoy_overhead_measures_another_build_beside_this_one(tmp_path):
-    """benches/envoy_overhead.py --build: the same variants with a second kvroute.wasm, in
-    the same rounds (here the same file twice: the same routing, counted the same). A 32k
-    prompt, whose header only the benchmark's Python client sends (no wrk needed)."""
+def test_envoy_overhead_measures_both_builds_and_another_beside_them(tmp_path):
+    """benches/envoy_overhead.py: every variant in the wasm and the native build, and with
+    --build a second artifact, in the same rounds (here the same .wasm again: the same
+    routing, counted the same; the native build routes alike). A 32k prompt, whose header
+    only the benchmark's Python client sends (no wrk needed)."""
     out = tmp_path / "overhead.json"
     r = subprocess.run(
         [sys.executable, str(ROOT / "benches" / "envoy_overhead.py"), "--rounds", "1", "--duration", "1",
@@ -64,14 +65,17 @@ def test_envoy_overhead_measures_another_build_beside_this_one(tmp_path):
         capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     [row] = json.loads(out.read_text())
-    assert set(row) == {"tokens", "encoding", "plain", "warm", "warm@again"}
-    for v in ("warm", "warm@again"):
+    assert set(row) == {"tokens", "encoding", "plain", "warm", "warm@native", "warm@again"}
+    for v in ("warm", "warm@native", "warm@again"):
         assert row[v]["filter_requests"] == row[v]["scored"] > 0, row[v]
         assert row[v]["hit_rate"] > 0.5, row[v]
-    assert row["warm"]["shared_reads_per_request"] == row["warm@again"]["shared_reads_per_request"]
-    bad = subprocess.run([sys.executable, str(ROOT / "benches" / "envoy_overhead.py"), "--build", "nolabel"],
-                         capture_output=True, text=True, timeout=60)
-    assert bad.returncode == 2 and "LABEL=PATH" in bad.stderr
+        assert row[v]["envoy_cpu_us_per_request"] > 0, row[v]
+    reads = {row[v]["shared_reads_per_request"] for v in ("warm", "warm@native", "warm@again")}
+    assert len(reads) == 1, reads
+    for bad_args, why in ((["--build", "nolabel"], "LABEL=PATH"), (["--builds", "jvm"], "--builds")):
+        bad = subprocess.run([sys.executable, str(ROOT / "benches" / "envoy_overhead.py"), *bad_args],
+                             capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 2 and why in bad.stderr, bad.stderr
 
 
 def test_the_prefix_hash_ring_is_the_same_every_run():

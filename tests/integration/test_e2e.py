@@ -21,7 +21,7 @@ def b64(toks):
 
 
 class Stack:
-    def __init__(self, n=3):
+    def __init__(self, n=3, build="wasm"):
         self.workers = [Worker() for _ in range(n)]
         self.specs, self.pubs = [], []
         for w in self.workers:
@@ -30,7 +30,8 @@ class Stack:
             self.pubs.append(Publisher(ev, rp))
         self.sidecar_port = free_port()
         self.sidecar = Sidecar(self.specs, port=self.sidecar_port)
-        cfg, lp, ap = render_config(self.workers, self.sidecar_port, {"debug_header": "x-kvroute-debug"})
+        cfg, lp, ap = render_config(self.workers, self.sidecar_port, {"debug_header": "x-kvroute-debug"},
+                                    build=build)
         self.envoy = Envoy(cfg, lp, ap)
         time.sleep(0.3)  # ZMQ subscriptions settle
 
@@ -38,8 +39,8 @@ class Stack:
         wait_synced(self.envoy, self.sidecar)
 
     def idle(self):
-        """Until every finished request is released: the filter releases ended streams in
-        batches, within 100 ms; until then a finished request still counts as load."""
+        """Until every finished request is released: the wasm filter releases ended streams
+        in batches, within 100 ms; until then a finished request still counts as load."""
         time.sleep(0.3)
         wait_for(lambda: not any(self.envoy.stats("kvroute.active_blocks").values()), what="no load")
 
@@ -61,8 +62,8 @@ class Stack:
 
 
 @pytest.fixture
-def stack():
-    s = Stack()
+def stack(build):
+    s = Stack(build=build)
     yield s
     s.stop()
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from harness import ENVOY_YAML, ROOT, envoy_binary, wait_for
+from harness import ENVOY_NATIVE_YAML, ENVOY_YAML, ROOT, envoy_binary, wait_for
 from harness.kvfeed import block_hashes, namespace
 
 
@@ -141,7 +141,7 @@ def _load(s):
 
 
 def _prefill(s):
-    return {k.split("prefill_blocks.")[1]: v for k, v in s.envoy.stats("prefill_blocks").items()}
+    return s.envoy.worker_gauges("kvroute.prefill_blocks")
 
 
 def _stat_id(worker):
@@ -149,7 +149,7 @@ def _stat_id(worker):
 
 
 def _active(s):
-    return {k.split("active_blocks.")[1]: v for k, v in s.envoy.stats("active_blocks").items()}
+    return s.envoy.worker_gauges("kvroute.active_blocks")
 
 
 def test_pd_mode_sets_both_headers(setup):
@@ -399,10 +399,10 @@ def test_down_workers_are_never_chosen(setup):
     assert all(s.workers[0].id not in r["x-gateway-destination-endpoint"] for r in up)
 
 
-def test_bad_plugin_configuration_refuses_to_load(tmp_path):
+def test_bad_plugin_configuration_refuses_to_load(tmp_path, build):
     from harness import render_config, free_port
     import json
-    cfg, _, _ = render_config([], free_port(), {"overlap_wieght": 2})
+    cfg, _, _ = render_config([], free_port(), {"overlap_wieght": 2}, build=build)
     path = tmp_path / "bad.json"
     path.write_text(json.dumps(cfg))
     r = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(path)],
@@ -411,11 +411,40 @@ def test_bad_plugin_configuration_refuses_to_load(tmp_path):
     assert "overlap_wieght" in r.stdout + r.stderr
 
 
-def test_envoy_configs_validate():
-    r = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(ENVOY_YAML)],
+@pytest.mark.parametrize("config", [ENVOY_YAML, ENVOY_NATIVE_YAML], ids=["wasm", "native"])
+def test_envoy_configs_validate(config):
+    r = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(config)],
                        capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "OK" in r.stdout + r.stderr
+
+
+def test_the_native_config_is_the_wasm_config_with_the_module_in_place_of_the_wasm():
+    """envoy-native.yaml differs from envoy.yaml only where kvroute is loaded: the bootstrap
+    extension, the HTTP filter and the filter's name in per-route settings."""
+    import json
+    import yaml
+    wasm, native = (yaml.safe_load(p.read_text()) for p in (ENVOY_YAML, ENVOY_NATIVE_YAML))
+    ws, ns = wasm["bootstrap_extensions"][0]["typed_config"], native["bootstrap_extensions"][0]["typed_config"]
+    assert json.loads(ws["config"]["configuration"]["value"]) == json.loads(ns["extension_config"]["value"])
+    assert ws["config"]["vm_config"]["vm_id"] == ns["extension_name"]
+    hcm = [c["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+           for c in (wasm, native)]
+    wf, nf = hcm[0]["http_filters"][1], hcm[1]["http_filters"][1]
+    assert json.loads(wf["typed_config"]["config"]["configuration"]["value"]) == \
+        json.loads(nf["typed_config"]["filter_config"]["value"])
+    assert nf["typed_config"]["filter_name"] == ns["extension_name"]
+    for f in (ns, nf["typed_config"]):
+        assert f["dynamic_module_config"]["do_not_close"] is True
+    # Everything else is the same document.
+    for c, name in ((wasm, "envoy.filters.http.wasm"), (native, "envoy.filters.http.dynamic_modules")):
+        del c["bootstrap_extensions"]
+        listener_hcm = c["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+        del listener_hcm["http_filters"][1]
+        text = json.dumps(c).replace(name, "KVROUTE_FILTER")
+        c.clear()
+        c.update(json.loads(text))
+    assert wasm == native
 
 
 def test_router_hashes_match_the_published_vectors():
@@ -442,10 +471,10 @@ def test_admin_route_reaches_the_sidecar_through_envoy(setup):
     assert all(len(w.requests) == 0 for w in s.workers)
 
 
-def test_bad_sync_configuration_stops_envoy_with_a_clear_error(tmp_path):
+def test_bad_sync_configuration_stops_envoy_with_a_clear_error(tmp_path, build):
     from harness import render_config, free_port
     import json
-    cfg, _, admin = render_config([], free_port(), sync_config={"n_buckets": 1000})
+    cfg, _, admin = render_config([], free_port(), sync_config={"n_buckets": 1000}, build=build)
     path = tmp_path / "bad-sync.json"
     path.write_text(json.dumps(cfg))
     r = subprocess.run([envoy_binary(), "-c", str(path), "--base-id", str(admin)],
@@ -504,3 +533,111 @@ def test_a_paged_snapshot_shows_only_when_complete(setup):
     wait_for(lambda: s.envoy.stat("kvroute_sync.index_entries") == 300, what="all pages applied")
     wait_for(lambda: route(prompts[0]) == (s.workers[1].id, "100"), what="the new index routes")
     assert route(prompts[1]) == (s.workers[1].id, "100")
+
+
+def _native_override_envoy(workers, feed, cluster_policy=None):
+    """The native build handing Envoy the best worker itself (destination_via
+    upstream_override); cluster_policy: one of Envoy's own policies on `workers` in place
+    of override_host."""
+    from harness import ENVOY_POLICIES, Envoy, render_config
+    cfg, lp, ap = render_config(workers, feed.port, {"debug_header": "x-kvroute-debug",
+                                                     "destination_via": "upstream_override"}, build="native")
+    if cluster_policy:
+        cluster = next(c for c in cfg["static_resources"]["clusters"] if c["name"] == "workers")
+        cluster["load_balancing_policy"] = {"policies": [{"typed_extension_config": {
+            "name": "envoy.load_balancing_policies." + cluster_policy,
+            "typed_config": {"@type": "type.googleapis.com/" + ENVOY_POLICIES[cluster_policy]}}}]}
+    return Envoy(cfg, lp, ap)
+
+
+@pytest.mark.parametrize("cluster_policy", [None, "round_robin"], ids=["override_host", "round_robin"])
+def test_the_native_build_hands_envoy_the_upstream_host(cluster_policy):
+    """destination_via upstream_override: the best worker goes to Envoy directly, so the
+    cluster needs no override_host policy (here also plain round robin), and the rest of
+    the ranking rides in the header for the retries."""
+    from conftest import Setup
+    s = Setup(n_workers=4, feed=True, build="native")
+    s.envoy.stop()
+    try:
+        s.envoy = _native_override_envoy(s.workers, s.feed, cluster_policy)
+        prompt = tokens(31, 480)
+        s.state.store(s.workers[2].id, prompt)
+        s.state.store(s.workers[1].id, prompt[:240])
+        s.wait_synced()
+        for _ in range(6):
+            status, h, body = s.envoy.request(headers={"x-prompt-token-ids-b64": b64(prompt)})
+            assert status == 200 and served_by(s, body) is s.workers[2], debug(h)
+        rest = s.workers[2].requests[-1]["x-gateway-destination-endpoint"].split(",")
+        assert rest[0] == s.workers[1].id and s.workers[2].id not in rest, rest
+        wait_for(lambda: s.envoy.stat("kvroute.scored") == 6, what="scored == 6")
+        assert s.envoy.stat("kvroute.upstream_override_refused") == 0
+    finally:
+        s.stop()
+
+
+def test_with_the_upstream_override_a_retry_follows_the_ranking():
+    """The best worker dies unannounced: the first attempt, sent to it by the override,
+    fails to connect; the retry asks the cluster's override_host policy, which takes the
+    next worker of the ranking from the header."""
+    from conftest import Setup
+    s = Setup(n_workers=4, feed=True, build="native")
+    s.envoy.stop()
+    try:
+        s.envoy = _native_override_envoy(s.workers, s.feed)
+        prompt = tokens(32, 480)
+        s.state.store(s.workers[2].id, prompt)
+        s.state.store(s.workers[1].id, prompt[:240])
+        s.wait_synced()
+        s.workers[2].stop()
+        for _ in range(3):
+            status, h, body = s.envoy.request(headers={"x-prompt-token-ids-b64": b64(prompt)})
+            assert status == 200 and debug(h)["worker"] == s.workers[2].id
+            assert served_by(s, body) is s.workers[1]
+        # One retry each: the header left the dead worker out (the override had it).
+        assert s.envoy.stats("cluster.workers.upstream_rq_retry$")["cluster.workers.upstream_rq_retry"] == 3
+    finally:
+        s.stop()
+
+
+def _gateway_fragments():
+    """The native build's parts in the Istio and Envoy Gateway manifests, as (label,
+    bootstrap extension, HTTP filter) Envoy fragments: what those control planes hand
+    Envoy (Envoy Gateway passes the policy's config as a google.protobuf.Struct)."""
+    import yaml
+    istio = list(yaml.safe_load_all((ROOT / "envoy" / "istio" / "native.yaml").read_text()))
+    boot = istio[0]["spec"]["configPatches"][0]["patch"]["value"]["bootstrap_extensions"][0]
+    filt = istio[1]["spec"]["configPatches"][0]["patch"]["value"]
+    yield "istio", boot, filt
+    eg_proxy, eg_policy = yaml.safe_load_all((ROOT / "envoy" / "envoy-gateway" / "kvroute-native.yaml").read_text())
+    boot = yaml.safe_load(eg_proxy["spec"]["bootstrap"]["value"])["bootstrap_extensions"][0]
+    [module] = eg_policy["spec"]["dynamicModule"]
+    [entry] = [m for m in eg_proxy["spec"]["dynamicModules"] if m["name"] == module["name"]]
+    filt = {"name": "envoy.filters.http.dynamic_modules", "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.dynamic_modules.v3.DynamicModuleFilter",
+        "dynamic_module_config": {"module": {"local": {"filename": entry["source"]["local"]["path"]}},
+                                  "do_not_close": entry["doNotClose"]},
+        "filter_name": module["filterName"],
+        "filter_config": {"@type": "type.googleapis.com/google.protobuf.Struct", "value": module["config"]}}}
+    yield "envoy-gateway", boot, filt
+
+
+def test_the_gateway_manifests_load_the_module(tmp_path):
+    """The Istio and Envoy Gateway manifests' Envoy parts, with this checkout's module in
+    place of the mounted path, load into Envoy 1.40 (validate mode configures the filter
+    and the sync service), and name one store."""
+    import json
+    import yaml
+    from harness import NATIVE
+    for label, boot, filt in _gateway_fragments():
+        assert boot["typed_config"]["extension_name"] == filt["typed_config"]["filter_name"], label
+        cfg = yaml.safe_load(ENVOY_NATIVE_YAML.read_text())
+        text = json.dumps([boot, filt]).replace("/var/lib/kvroute/libkvroute_native.so", str(NATIVE))
+        boot, filt = json.loads(text)
+        cfg["bootstrap_extensions"] = [boot]
+        hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+        hcm["http_filters"][1] = filt
+        path = tmp_path / f"{label}.json"
+        path.write_text(json.dumps(cfg).replace("envoy.filters.http.dynamic_modules\"", f"{filt['name']}\""))
+        r = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(path)],
+                           capture_output=True, text=True, cwd=ROOT, timeout=60)
+        assert r.returncode == 0 and "OK" in r.stdout + r.stderr, label + r.stdout[-2000:] + r.stderr[-2000:]

@@ -153,7 +153,7 @@ def test_without_a_tokenizer_an_engine_takes_token_ids_only(engine):
     assert r["choices"][0]["text"] == "" and len(r["choices"][0]["token_ids"]) == 2
 
 
-def test_the_seeds_verification_through_envoy():
+def test_the_seeds_verification_through_envoy(build):
     """Two requests with the same long prefix: the second lands on the same worker, reports
     cached tokens and a lower TTFT, and block_count stays flat."""
     engines, specs = [], []
@@ -163,7 +163,7 @@ def test_the_seeds_verification_through_envoy():
         engines.append(e)
         specs.append((e.id, f"tcp://127.0.0.1:{ev}", f"tcp://127.0.0.1:{rp}", "both"))
     sidecar = Sidecar(specs)
-    cfg, lp, ap = render_config(engines, sidecar.port, {"debug_header": "x-kvroute-debug"})
+    cfg, lp, ap = render_config(engines, sidecar.port, {"debug_header": "x-kvroute-debug"}, build=build)
     envoy = Envoy(cfg, lp, ap)
     try:
         prompt = tokens(7, 1000)  # 62 full blocks
@@ -222,12 +222,12 @@ def _our_processes():
 DEMO_SMALL = ["--workers", "3", "--groups", "3", "--prompts-per-group", "4", "--speedup", "8"]
 
 
-def test_a_short_demo_run_completes_and_leaves_nothing_behind(tmp_path):
+def test_a_short_demo_run_completes_and_leaves_nothing_behind(tmp_path, build):
     import subprocess
     import sys
     from harness import ROOT
     before = _our_processes()
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "demo.py"), *DEMO_SMALL,
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "demo.py"), *DEMO_SMALL, "--build", build,
                         "--port", str(free_port()), "--out", str(tmp_path)],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

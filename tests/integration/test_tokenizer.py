@@ -23,14 +23,14 @@ DEBUG = "x-kvroute-debug"
 class StageSetup:
     """Three upstream workers, a feed, the stage and an Envoy with both filters."""
 
-    def __init__(self, stage_extra=None, loras=()):
+    def __init__(self, stage_extra=None, loras=(), build="wasm"):
         self.workers = [Worker() for _ in range(3)]
         self.state = FeedState()
         self.state.set_workers([(w.id, "both", True) for w in self.workers])
         self.feed = FeedServer(self.state)
         self.stage = Tokenizer(models=[("qwen3", TOKENIZER_DIR, list(loras))], extra=stage_extra)
         cfg, self.port, ap = render_config(self.workers, self.feed.port, {"debug_header": DEBUG},
-                                           tokenizer_port=self.stage.grpc_port)
+                                           tokenizer_port=self.stage.grpc_port, build=build)
         self.envoy = Envoy(cfg, self.port, ap)
         self.sync()
 
@@ -63,11 +63,11 @@ class StageSetup:
 
 
 @pytest.fixture
-def stage_setup():
+def stage_setup(build):
     made = []
 
     def make(**kw):
-        s = StageSetup(**kw)
+        s = StageSetup(build=build, **kw)
         made.append(s)
         return s
 
@@ -80,13 +80,13 @@ class FleetBehindStage:
     """Mock engines that tokenize with Qwen3 (model `mock-llm`), their sidecar, the stage and
     an Envoy with both filters: the whole path a plain OpenAI request takes."""
 
-    def __init__(self, n, blocks, speedup, max_model_len, filter_config):
+    def __init__(self, n, blocks, speedup, max_model_len, filter_config, build="wasm"):
         self.started = []
         try:
             self.engines, self.sidecar = start_fleet(self, n, blocks, speedup, tokenizer=TOKENIZER_DIR)
             self.stage = self.add(Tokenizer(models=[("mock-llm", TOKENIZER_DIR, [])], max_model_len=max_model_len))
             cfg, self.port, ap = render_config(self.engines, self.sidecar.port, filter_config,
-                                               tokenizer_port=self.stage.grpc_port)
+                                               tokenizer_port=self.stage.grpc_port, build=build)
             self.envoy = self.add(Envoy(cfg, self.port, ap))
             wait_synced(self.envoy, self.sidecar)
         except BaseException:
@@ -105,11 +105,11 @@ class FleetBehindStage:
 
 
 @pytest.fixture
-def fleet_behind_stage():
+def fleet_behind_stage(build):
     made = []
 
     def make(**kw):
-        f = FleetBehindStage(**kw)
+        f = FleetBehindStage(build=build, **kw)
         made.append(f)
         return f
 

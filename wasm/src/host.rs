@@ -68,14 +68,16 @@ impl Stats for WasmHost {
 }
 
 impl FeedClient for WasmHost {
-    fn dispatch_poll(&self, r: &PollRequest<'_>) -> Result<u32, String> {
+    fn dispatch_poll(&self, r: &PollRequest<'_>) -> Result<u64, String> {
         let headers = vec![
             (":method", "GET"),
             (":path", r.path),
             (":authority", r.authority),
             ("accept", "application/x-kvroute-feed"),
         ];
-        hostcalls::dispatch_http_call(r.cluster, headers, None, vec![], r.timeout).map_err(|s| format!("{s:?}"))
+        hostcalls::dispatch_http_call(r.cluster, headers, None, vec![], r.timeout)
+            .map(u64::from)
+            .map_err(|s| format!("{s:?}"))
     }
 }
 

@@ -93,7 +93,9 @@ impl Context for Root {
 
     fn on_http_call_response(&mut self, token: u32, _n_headers: usize, body_size: usize, _n_trailers: usize) {
         if let Root::Sync(s) = self {
-            s.on_poll_response(token, host::http_call_status(), body_size, || host::http_call_body(body_size));
+            s.on_poll_response(u64::from(token), host::http_call_status(), body_size, || {
+                host::http_call_body(body_size)
+            });
         }
     }
 }
