@@ -25,6 +25,8 @@ Reference lines, run only when --lines names them (where kvroute's CPU goes):
   kvroute_sync_only, kvroute_filter_only
                                  kvroute without its filter, or without its sync service
                                  (the filter finds no worker table); Envoy's fallback routes
+  kvroute_w1_native              kvroute_w1 with the native build (the Envoy dynamic
+                                 module) in place of kvroute.wasm: the same routing, without V8
 
 Engine simulators (`--sim`):
   fleet    kvroute-fleet's mock engines, reset between lines (the default)
@@ -42,7 +44,7 @@ its frontend, with the per-engine relays reported beside it, not counted: in a D
 deployment that code runs inside the engine).
 
     ./scripts/fetch-tokenizer.sh
-    cargo build --release -p kvroute-sidecar -p kvroute-fleet -p kvroute-tokenizer
+    cargo build --release -p kvroute-sidecar -p kvroute-fleet -p kvroute-tokenizer -p kvroute-native
     cargo build --target wasm32-unknown-unknown --release
     python3 benches/peers.py [--sim fleet|mocker] [--workloads shared_prefix_70,...] [--lines ...] [--out docs/peers]
 """
@@ -86,13 +88,14 @@ LINES = [
 ]
 # Where kvroute's router CPU goes: Envoy alone, Envoy with the stage, and kvroute with one
 # of its two wasm parts taken out (without the sync service the filter finds no worker
-# table and sets no destination; either way Envoy's fallback policy routes). Run only when
-# named in --lines.
+# table and sets no destination; either way Envoy's fallback policy routes), and kvroute
+# as the native module. Run only when named in --lines.
 REFERENCE_LINES = [
     ("envoy_round_robin", "envoy", {"stage": False, "filter": False, "sync": False}),
     ("envoy_round_robin_stage", "envoy", {"stage": True, "filter": False, "sync": False}),
     ("kvroute_sync_only", "envoy", {"stage": True, "filter": False, "sync": True}),
     ("kvroute_filter_only", "envoy", {"stage": True, "filter": True, "sync": False}),
+    ("kvroute_w1_native", "kvroute", {"overlap_weight": 1.0}),
 ]
 VERSIONS = {**PINS, "dynamo": " ".join(DYNAMO_PINS)}
 # Per-process CPU that is not the router's: Dynamo's per-engine relays stand in for code
@@ -408,7 +411,8 @@ def run_line(args, procs, fleet, port, line, wname, wargs, settings, out):
                                      policy="kvroute" if parts["filter"] or parts["sync"] else "round_robin",
                                      sync_config={"poll_timeout_ms": 5000, "stale_after_ms": 15000},
                                      tokenizer_port=stage.grpc_port if stage else None,
-                                     kvroute_filter=parts["filter"], kvroute_sync=parts["sync"])
+                                     kvroute_filter=parts["filter"], kvroute_sync=parts["sync"],
+                                     build="native" if label.endswith("_native") else "wasm")
         router = procs.add(Envoy(cfg, lp, adm, concurrency=2))
         if parts["sync"]:
             wait_synced(router, sidecar)

@@ -15,7 +15,6 @@ use crate::abi::{
 };
 use crate::boundary::{guard, PANICS};
 use crate::buffers::{array, bytes, header_value, lend, lend_header};
-use crate::http::DEFAULT_NAME;
 use crate::{clock, envoy_log, shared};
 use kvroute::host::{Clock, FeedClient, Gauge, Host, PollRequest, StatId, StatKind, Stats};
 use kvroute::store::ProcessStore;
@@ -186,10 +185,14 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_bootstrap_extension_config_new(
         envoy_log::follow_envoy_level();
         // SAFETY: Envoy's buffers are valid during this call.
         let (name, config) = unsafe { (bytes(name), bytes(config)) };
-        let name = match std::str::from_utf8(name) {
-            Ok("") | Err(_) => DEFAULT_NAME.to_string(),
-            Ok(n) => n.to_string(),
-        };
+        let name = shared::name(name);
+        if shared::is_synced(&name) {
+            log::error!(
+                "kvroute-sync: a sync extension named {name:?} already runs in this Envoy; refusing a second \
+                 (give each kvroute deployment its own extension_name and filter_name)"
+            );
+            return std::ptr::null();
+        }
         let mut host =
             SyncHost { envoy, store: shared::store(&name), stats: RefCell::default(), worker_gauges: vec![] };
         for gauge in [ACTIVE_BLOCKS_GAUGE, PREFILL_BLOCKS_GAUGE] {

@@ -28,9 +28,6 @@ use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-/// The store and sync-service name used when `filter_name` is empty.
-pub const DEFAULT_NAME: &str = "kvroute";
-
 /// Envoy's configuration object. Stat updates through it are safe from any thread: the ids
 /// are fixed once the configuration is created and Envoy's stats are atomic.
 #[derive(Clone, Copy)]
@@ -269,13 +266,6 @@ unsafe fn stream<'a>(ptr: HttpFilterModulePtr) -> Option<&'a mut StreamContext> 
     unsafe { (ptr as *mut StreamContext).as_mut() }
 }
 
-fn utf8_name(name: &[u8]) -> String {
-    match std::str::from_utf8(name) {
-        Ok("") | Err(_) => DEFAULT_NAME.to_string(),
-        Ok(n) => n.to_string(),
-    }
-}
-
 /// # Safety
 /// Called by Envoy on the main thread with its configuration pointer and buffers valid for
 /// the call.
@@ -288,7 +278,7 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_new(
     guard("http_filter_config_new", std::ptr::null(), || {
         envoy_log::follow_envoy_level();
         // SAFETY: Envoy's buffers are valid during this call; both are copied.
-        let (name, json) = unsafe { (utf8_name(bytes(name)), bytes(config).to_vec()) };
+        let (name, json) = unsafe { (shared::name(bytes(name)), bytes(config).to_vec()) };
         let store = shared::store(&name);
         let host = DefiningHost { envoy, store: Arc::clone(&store), stats: RefCell::default() };
         let probe = match Filter::configure(host, &json, 0) {

@@ -10,6 +10,18 @@ use kvroute::store::ProcessStore;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
+/// The name used when a configuration gives none (an empty `filter_name` or
+/// `extension_name`).
+pub const DEFAULT_NAME: &str = "kvroute";
+
+/// A configuration's store name from Envoy's bytes: empty or not UTF-8 means the default.
+pub fn name(bytes: &[u8]) -> String {
+    match std::str::from_utf8(bytes) {
+        Ok("") | Err(_) => DEFAULT_NAME.to_string(),
+        Ok(n) => n.to_string(),
+    }
+}
+
 #[derive(Default)]
 struct Registry {
     stores: HashMap<String, Arc<ProcessStore>>,
@@ -40,4 +52,21 @@ pub fn mark_synced(name: &str) {
 /// before any HTTP filter, so a filter configured without one will never see an index).
 pub fn is_synced(name: &str) -> bool {
     registry().synced.iter().any(|n| n == name)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_default_and_stores_are_shared_by_name() {
+        assert_eq!(name(b""), DEFAULT_NAME);
+        assert_eq!(name(b"\xff"), DEFAULT_NAME);
+        assert_eq!(name(b"tenant-a"), "tenant-a");
+        assert!(std::sync::Arc::ptr_eq(&store("test-a"), &store("test-a")));
+        assert!(!std::sync::Arc::ptr_eq(&store("test-a"), &store("test-b")));
+        assert!(!is_synced("test-c"));
+        mark_synced("test-c");
+        assert!(is_synced("test-c") && !is_synced("test-a"));
+    }
 }

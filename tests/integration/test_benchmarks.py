@@ -140,19 +140,23 @@ def test_peers_run_against_the_same_fleet(tmp_path):
 
 
 def test_peers_reference_lines_take_kvroute_apart(tmp_path):
-    """The reference lines: Envoy alone, and kvroute without its filter or without its
-    sync service, each metered for the processes it runs; a busy loop beside them."""
-    lines = "envoy_round_robin,envoy_round_robin_stage,kvroute_sync_only,kvroute_filter_only"
+    """The reference lines: Envoy alone, kvroute without its filter or without its sync
+    service, and kvroute as the native module, each metered for the processes it runs; a
+    busy loop beside them."""
+    lines = "envoy_round_robin,envoy_round_robin_stage,kvroute_sync_only,kvroute_filter_only,kvroute_w1_native"
     # Envoy alone is ~2 ms of CPU a request: 8 requests were once charged no tick at all.
     out, runs = run_peers(tmp_path, "--lines", lines, "--speedup", "8", "--background-cpu", "0.05", per_group=16)
     assert out["config"]["background_cpu"] == 0.05 and set(runs) == set(lines.split(","))
     procs = {k: set(v["router_cpu_ms_per_request_by_process"]) for k, v in runs.items()}
     assert procs == {"envoy_round_robin": {"envoy"}, "envoy_round_robin_stage": {"envoy", "tokenizer"},
                      "kvroute_sync_only": {"envoy", "tokenizer", "sidecar"},
-                     "kvroute_filter_only": {"envoy", "tokenizer"}}, procs
+                     "kvroute_filter_only": {"envoy", "tokenizer"},
+                     "kvroute_w1_native": {"envoy", "tokenizer", "sidecar"}}, procs
     # Without the sync service the filter has no worker table: it sees every request and
     # scores none (Envoy's fallback policy routes).
     assert runs["kvroute_filter_only"]["scored"] == 0
+    # The native module scores every request it sees.
+    assert runs["kvroute_w1_native"]["scored"] == runs["kvroute_w1_native"]["requests"] > 0
     # An unknown line still ends the run.
     r = subprocess.run([sys.executable, str(ROOT / "benches" / "peers.py"), "--lines", "kvroute_w1,nope",
                         "--out", str(tmp_path / "x")], capture_output=True, text=True, timeout=60)

@@ -641,3 +641,39 @@ def test_the_gateway_manifests_load_the_module(tmp_path):
         r = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(path)],
                            capture_output=True, text=True, cwd=ROOT, timeout=60)
         assert r.returncode == 0 and "OK" in r.stdout + r.stderr, label + r.stdout[-2000:] + r.stderr[-2000:]
+
+
+def test_two_native_sync_services_may_not_share_a_name(tmp_path):
+    """Two bootstrap extensions writing one store would overwrite each other's index: the
+    second with the same extension_name is refused, and Envoy with it."""
+    import copy
+    import json
+    from harness import free_port, render_config
+    cfg, _, _ = render_config([], free_port(), build="native")
+    cfg["bootstrap_extensions"].append(copy.deepcopy(cfg["bootstrap_extensions"][0]))
+    path = tmp_path / "twice.json"
+    path.write_text(json.dumps(cfg))
+    r = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(path)],
+                       capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert r.returncode != 0 and "already runs in this Envoy" in r.stdout + r.stderr, r.stdout[-2000:]
+
+
+def test_in_flight_load_is_exact_across_worker_threads(setup):
+    """48 requests at once over four Envoy worker threads, each a prompt of its own (20
+    blocks): while they are held upstream every block is counted once, on one worker,
+    whatever thread routed it; when they end, nothing is left."""
+    from concurrent.futures import ThreadPoolExecutor
+    s = setup(n_workers=3, concurrency=4)
+    n = 48
+
+    def one(i):
+        return s.envoy.request(headers={"x-prompt-token-ids-b64": b64(tokens(100 + i, 320)),
+                                        "x-test-delay-ms": "1500"}, timeout=30)[0]
+
+    with ThreadPoolExecutor(n) as pool:
+        answers = pool.map(one, range(n))
+        wait_for(lambda: _load(s) == (n * 20, n * 20), what=f"{n * 20} blocks in flight")
+        assert all(status == 200 for status in answers)
+    wait_for(lambda: _load(s) == (0, 0), what="every block released")
+    wait_for(lambda: s.envoy.stat("kvroute.requests") == n, what="every request counted")
+    assert s.envoy.stat("kvroute.scored") == n and s.envoy.stat("kvroute.update_failures") == 0
