@@ -8,7 +8,7 @@ import urllib.request
 
 import yaml
 
-from .paths import ENVOY_NATIVE_YAML, ENVOY_YAML, NATIVE, WASM
+from .paths import ENVOY_NATIVE_YAML, ENVOY_YAML, NATIVE, WASM, WORKERS_EDS_YAML
 from .procs import Service, free_port, ready_or_stop, wait_for, wait_http_ok
 
 
@@ -74,7 +74,7 @@ BUILDS = {
 
 def render_config(workers, feed_port, filter_config=None, sync_config=None,
                   listener_port=None, admin_port=None, wasm=None, policy="kvroute", tokenizer_port=None,
-                  kvroute_filter=True, kvroute_sync=True, build="wasm"):
+                  kvroute_filter=True, kvroute_sync=True, build="wasm", eds=False):
     """envoy/envoy.yaml (build "wasm") or envoy/envoy-native.yaml (build "native") with this
     test's ports, upstreams and plugin configurations.
     wasm: the build's file to load instead of this checkout's (kvroute.wasm, or the
@@ -84,7 +84,9 @@ def render_config(workers, feed_port, filter_config=None, sync_config=None,
     tokenizer_port: the tokenizer stage's gRPC port; None: no stage (the ext_proc filter,
     its cluster and its per-route settings are taken out, so requests carry their own
     token headers as before). kvroute_filter / kvroute_sync False: policy "kvroute" with
-    that kvroute part taken out (the override_host policy's fallback then routes)."""
+    that kvroute part taken out (the override_host policy's fallback then routes).
+    eds: the `workers` cluster's hosts from the sidecar (envoy/workers-eds.yaml) instead
+    of `workers`."""
     b = BUILDS[build]
     artifact = wasm or b.artifact
     cfg = yaml.safe_load(b.yaml_path.read_text())
@@ -117,6 +119,10 @@ def render_config(workers, feed_port, filter_config=None, sync_config=None,
             inference = next(r for r in routes if r["route"]["cluster"] == "workers")
             inference["route"]["hash_policy"] = [{"header": {"header_name": PREFIX_HASH_HEADER}}]
     for c in cfg["static_resources"]["clusters"]:
+        if c["name"] == "workers" and eds:
+            del c["load_assignment"]
+            c.update(yaml.safe_load(WORKERS_EDS_YAML.read_text()))
+            continue
         eps = c["load_assignment"]["endpoints"][0]
         if c["name"] == "workers":
             eps["lb_endpoints"] = [

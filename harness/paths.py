@@ -9,4 +9,5 @@ FLEET = ROOT / "target" / "release" / "kvroute-fleet"
 TOKENIZER = ROOT / "target" / "release" / "kvroute-tokenizer"
 ENVOY_YAML = ROOT / "envoy" / "envoy.yaml"
 ENVOY_NATIVE_YAML = ROOT / "envoy" / "envoy-native.yaml"
+WORKERS_EDS_YAML = ROOT / "envoy" / "workers-eds.yaml"  # the `workers` cluster from the sidecar (EDS)
 TOKENIZER_DIR = ROOT / "target" / "tokenizers" / "qwen3"  # scripts/fetch-tokenizer.sh

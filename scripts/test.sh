@@ -20,9 +20,12 @@ step "installing test dependencies"
 # install` also adds a listed target that an already installed toolchain lacks (rustup
 # ≥ 1.28 no longer installs anything on `rustup show`).
 rustup toolchain install >/dev/null
-if ! command -v node >/dev/null; then
-  apt-get update -qq && apt-get install -y -qq nodejs
-fi
+# protobuf-compiler: the sidecar's etcd client generates its gRPC code at build time;
+# etcd-server, etcd-client, nats-server: the discovery and event-relay tests run against
+# the real servers; nodejs (unless a node is already there): the wasm unit-test runner.
+packages=(protobuf-compiler etcd-server etcd-client nats-server)
+command -v node >/dev/null || packages+=(nodejs)
+./scripts/debian-packages.sh "${packages[@]}"
 python3 -m pip install --quiet --disable-pip-version-check -r tests/requirements.txt
 # The engines' own KV-event code, imported from their wheels by tests/integration/engine_wheels.py
 # (downloaded, not installed: their packages import torch).

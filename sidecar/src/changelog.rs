@@ -1,6 +1,7 @@
 //! The feed's change log: every change to any worker's block set since some version, so a
 //! client at that version gets a delta instead of a snapshot. Bounded by blocks held; the
-//! oldest versions fall off, and a client older than that gets a snapshot.
+//! oldest versions fall off, and a client older than that gets a snapshot. Workers are
+//! named by their fleet key; a delta maps keys to the frame's positions.
 
 use kvroute::feed::{FeedBlock, Op};
 use std::collections::VecDeque;
@@ -96,17 +97,19 @@ impl ChangeLog {
     /// The ops taking a client from `since` to the newest version, merged where consecutive
     /// entries are the same kind for the same worker. `None` if `since` is below the floor.
     /// Without `tiers` (a client that did not ask for them), offloaded blocks are plain
-    /// stores.
-    pub fn delta(&self, since: u64, tiers: bool) -> Option<Vec<Op>> {
+    /// stores. `position` maps a worker key to its index in the frame; entries of workers it
+    /// does not know (they left: the frame's list drops them whole) are skipped.
+    pub fn delta(&self, since: u64, tiers: bool, position: impl Fn(u32) -> Option<u32>) -> Option<Vec<Op>> {
         if since < self.floor {
             return None;
         }
         let start = self.entries.partition_point(|e| e.version <= since);
         let mut ops: Vec<Op> = Vec::new();
         for e in self.entries.range(start..) {
+            let Some(worker) = position(e.worker) else { continue };
             let (kind, blocks) = match &e.entry {
                 Entry::Clear => {
-                    ops.push(Op::Clear { worker: e.worker });
+                    ops.push(Op::Clear { worker });
                     continue;
                 }
                 Entry::Store(b) => (RunKind::Store, b),
@@ -115,8 +118,8 @@ impl ChangeLog {
                 Entry::Remove(b) => (RunKind::Remove, b),
             };
             match ops.last_mut().and_then(run_of) {
-                Some((worker, k, run)) if worker == e.worker && k == kind => run.extend_from_slice(blocks),
-                _ => ops.push(kind.op(e.worker, blocks.clone())),
+                Some((w, k, run)) if w == worker && k == kind => run.extend_from_slice(blocks),
+                _ => ops.push(kind.op(worker, blocks.clone())),
             }
         }
         Some(ops)
@@ -167,7 +170,7 @@ mod tests {
         log.remove(3, 1, vec![b(3)]);
         log.clear(4, 0);
         assert_eq!(
-            log.delta(1, true).unwrap(),
+            log.delta(1, true, Some).unwrap(),
             vec![
                 Op::Store { worker: 0, blocks: vec![b(2)] },
                 Op::Store { worker: 1, blocks: vec![b(3)] },
@@ -175,8 +178,8 @@ mod tests {
                 Op::Clear { worker: 0 },
             ]
         );
-        assert_eq!(log.delta(0, true).unwrap()[0], Op::Store { worker: 0, blocks: vec![b(1), b(2)] });
-        assert!(log.delta(4, true).unwrap().is_empty());
+        assert_eq!(log.delta(0, true, Some).unwrap()[0], Op::Store { worker: 0, blocks: vec![b(1), b(2)] });
+        assert!(log.delta(4, true, Some).unwrap().is_empty());
     }
 
     #[test]
@@ -185,10 +188,10 @@ mod tests {
         log.store(1, 0, vec![b(1)]);
         log.store_offloaded(1, 0, vec![b(2)]);
         assert_eq!(
-            log.delta(0, true).unwrap(),
+            log.delta(0, true, Some).unwrap(),
             vec![Op::Store { worker: 0, blocks: vec![b(1)] }, Op::StoreOffloaded { worker: 0, blocks: vec![b(2)] }]
         );
-        assert_eq!(log.delta(0, false).unwrap(), vec![Op::Store { worker: 0, blocks: vec![b(1), b(2)] }]);
+        assert_eq!(log.delta(0, false, Some).unwrap(), vec![Op::Store { worker: 0, blocks: vec![b(1), b(2)] }]);
     }
 
     #[test]
@@ -199,11 +202,11 @@ mod tests {
         assert_eq!(log.floor(), 0);
         log.store(3, 0, vec![b(4)]);
         assert_eq!(log.floor(), 1);
-        assert!(log.delta(0, true).is_none());
-        assert_eq!(log.delta(1, true).unwrap(), vec![Op::Store { worker: 0, blocks: vec![b(3), b(4)] }]);
+        assert!(log.delta(0, true, Some).is_none());
+        assert_eq!(log.delta(1, true, Some).unwrap(), vec![Op::Store { worker: 0, blocks: vec![b(3), b(4)] }]);
         // A single version larger than the bound is kept whole.
         log.store(4, 0, (10..20).map(b).collect());
         assert_eq!(log.floor(), 3);
-        assert_eq!(log.delta(3, true).unwrap().len(), 1);
+        assert_eq!(log.delta(3, true, Some).unwrap().len(), 1);
     }
 }

@@ -10,6 +10,7 @@ use std::time::Duration;
 
 #[derive(Parser, Debug, Default)]
 #[command(name = "kvroute-sidecar", version, about = "Mirrors vLLM/SGLang KV-cache events into the kvroute feed")]
+#[command(args_conflicts_with_subcommands = true)]
 pub struct Cli {
     /// TOML configuration file; flags override its settings and add workers.
     #[arg(long)]
@@ -17,9 +18,13 @@ pub struct Cli {
     /// Tokens per KV block; must equal the engines' --block-size / --page-size (or divide it).
     #[arg(long)]
     pub block_size: Option<u32>,
-    /// How workers publish KV events (only `zmq`).
+    /// How KV events arrive: `zmq` (from each engine) or `nats` (from a JetStream stream
+    /// that `kvroute-sidecar relay` fills beside each engine).
     #[arg(long)]
     pub kv_event_transport: Option<String>,
+    /// NATS server(s) for `--kv-event-transport nats` (default nats://127.0.0.1:4222).
+    #[arg(long)]
+    pub nats_url: Option<String>,
     /// Address to serve the feed, admin and metrics on (default 127.0.0.1:9100).
     #[arg(long)]
     pub listen: Option<String>,
@@ -28,6 +33,30 @@ pub struct Cli {
     /// `10.0.0.5:8000=tcp://10.0.0.5:5557,replay=tcp://10.0.0.5:5558`. Repeatable.
     #[arg(long = "worker")]
     pub workers: Vec<String>,
+    /// Where the worker list comes from: `static` (the configured workers), `dns` or `etcd`.
+    #[arg(long)]
+    pub discovery_backend: Option<String>,
+    /// etcd client endpoint (`http://host:2379`), for `--discovery-backend etcd`. Repeatable.
+    #[arg(long = "etcd-endpoint")]
+    pub etcd_endpoints: Vec<String>,
+    /// Key prefix workers register under (default `/kvroute/workers/`).
+    #[arg(long)]
+    pub etcd_prefix: Option<String>,
+    /// The name `--discovery-backend dns` resolves (A/AAAA), e.g. a headless service.
+    #[arg(long)]
+    pub dns_name: Option<String>,
+    #[command(subcommand)]
+    pub command: Option<Command>,
+}
+
+#[derive(clap::Subcommand, Debug)]
+pub enum Command {
+    /// Registers one engine in etcd under a lease and keeps the lease alive until stopped
+    /// (SIGTERM/SIGINT revoke it: the worker leaves at once).
+    Register(crate::discovery::register::RegisterArgs),
+    /// Reads one host's engines' ZMQ KV events and publishes them, in order and complete,
+    /// to the NATS JetStream stream the sidecars read (`--kv-event-transport nats`).
+    Relay(crate::nats::relay::RelayArgs),
 }
 
 #[derive(Deserialize, Debug, Default)]
@@ -44,18 +73,39 @@ struct FileConfig {
     max_pending_batches: Option<usize>,
     log_max_blocks: Option<usize>,
     snapshot_page_blocks: Option<usize>,
+    discovery_backend: Option<String>,
+    #[serde(default)]
+    etcd_endpoints: Vec<String>,
+    etcd_prefix: Option<String>,
+    etcd_model: Option<String>,
+    dns_name: Option<String>,
+    dns_http_port: Option<u16>,
+    dns_events_port: Option<u16>,
+    dns_replay_port: Option<u16>,
+    dns_role: Option<String>,
+    dns_dp_ranks: Option<u32>,
+    dns_interval_ms: Option<u64>,
+    nats_url: Option<String>,
+    nats_stream: Option<String>,
+    nats_subject_prefix: Option<String>,
+    nats_max_age_s: Option<u64>,
+    nats_max_bytes: Option<i64>,
+    nats_max_msgs_per_subject: Option<i64>,
+    nats_duplicate_window_s: Option<u64>,
+    nats_replicas: Option<usize>,
     #[serde(default)]
     workers: Vec<FileWorker>,
 }
 
+/// A worker as written by hand or registered in discovery, before validation.
 #[derive(Deserialize, Debug, Default)]
 #[serde(deny_unknown_fields)]
-struct FileWorker {
-    id: String,
-    events: String,
-    replay: Option<String>,
-    role: Option<String>,
-    dp_ranks: Option<u32>,
+pub(crate) struct FileWorker {
+    pub id: String,
+    pub events: String,
+    pub replay: Option<String>,
+    pub role: Option<String>,
+    pub dp_ranks: Option<u32>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -97,8 +147,53 @@ pub struct Config {
     pub max_pending_batches: usize,
     pub log_max_blocks: usize,
     pub snapshot_page_blocks: usize,
+    /// The workers of `Discovery::Static`; empty with any other backend.
     pub workers: Vec<WorkerConfig>,
+    pub discovery: Discovery,
+    pub transport: Transport,
 }
+
+/// How KV events reach the sidecar.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Transport {
+    /// A SUB socket per engine publisher (and its replay socket).
+    Zmq,
+    /// A JetStream stream (`crate::nats`); the workers' ZMQ endpoints are the relays'.
+    Nats(crate::nats::NatsSettings),
+}
+
+/// Where the worker list comes from.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Discovery {
+    /// `workers` as configured, for the process's life.
+    Static,
+    Dns(DnsDiscovery),
+    Etcd(EtcdDiscovery),
+}
+
+/// A name resolved to A/AAAA records every `interval`; each address is one worker, its
+/// endpoints made from the ports below.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DnsDiscovery {
+    pub name: String,
+    pub http_port: u16,
+    pub events_port: u16,
+    pub replay_port: Option<u16>,
+    pub role: Role,
+    pub dp_ranks: u32,
+    pub interval: Duration,
+}
+
+/// Workers registered under `prefix` in etcd (one key each, under a lease), watched.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EtcdDiscovery {
+    pub endpoints: Vec<String>,
+    pub prefix: String,
+    /// Only registrations naming this model are workers (others are left alone).
+    pub model: Option<String>,
+}
+
+pub const DEFAULT_ETCD_PREFIX: &str = "/kvroute/workers/";
 
 pub const MAX_WORKERS: usize = kvroute::feed::MAX_WORKERS;
 const MAX_DP_RANKS: u32 = 64;
@@ -114,10 +209,8 @@ impl Config {
     }
 
     fn from_parts(file: FileConfig, cli: &Cli) -> Result<Config, String> {
-        let transport = cli.kv_event_transport.clone().or(file.kv_event_transport).unwrap_or_else(|| "zmq".into());
-        if transport != "zmq" {
-            return Err(format!("kv_event_transport: `{transport}` is not supported (only `zmq`)"));
-        }
+        let discovery = discovery(&file, cli)?;
+        let transport = transport(&file, cli)?;
         let block_size = cli.block_size.or(file.block_size).unwrap_or(kvroute::hash::DEFAULT_BLOCK_SIZE as u32);
         if block_size == 0 {
             return Err("block_size: must be at least 1".into());
@@ -150,8 +243,16 @@ impl Config {
         for (i, spec) in cli.workers.iter().enumerate() {
             workers.push(worker(&format!("--worker #{}", i + 1), parse_worker_flag(spec)?)?);
         }
-        if workers.is_empty() {
-            return Err("workers: none configured (use [[workers]] in the file or --worker)".into());
+        match (&discovery, workers.is_empty()) {
+            (Discovery::Static, true) => {
+                return Err("workers: none configured (use [[workers]] in the file or --worker)".into())
+            }
+            (Discovery::Dns(_) | Discovery::Etcd(_), false) => {
+                return Err("workers: configured workers and a discovery backend both name the fleet; use one \
+                     (discovery_backend = \"static\" for a fixed list)"
+                    .into())
+            }
+            _ => {}
         }
         if workers.len() > MAX_WORKERS {
             return Err(format!("workers: {} configured, at most {MAX_WORKERS}", workers.len()));
@@ -176,11 +277,137 @@ impl Config {
             // 0.3–0.5 s with 1M (docs/benchmarks.md).
             snapshot_page_blocks: count(file.snapshot_page_blocks, 250_000, "snapshot_page_blocks")?,
             workers,
+            discovery,
+            transport,
         })
     }
 }
 
-fn parse_worker_flag(spec: &str) -> Result<FileWorker, String> {
+fn transport(file: &FileConfig, cli: &Cli) -> Result<Transport, String> {
+    let name = cli.kv_event_transport.clone().or(file.kv_event_transport.clone()).unwrap_or_else(|| "zmq".into());
+    let keys = crate::nats::NatsKeys {
+        url: cli.nats_url.clone().or(file.nats_url.clone()),
+        stream: file.nats_stream.clone(),
+        subject_prefix: file.nats_subject_prefix.clone(),
+        max_age_s: file.nats_max_age_s,
+        max_bytes: file.nats_max_bytes,
+        max_msgs_per_subject: file.nats_max_msgs_per_subject,
+        duplicate_window_s: file.nats_duplicate_window_s,
+        replicas: file.nats_replicas,
+    };
+    let nats_set = keys.url.is_some()
+        || keys.stream.is_some()
+        || keys.subject_prefix.is_some()
+        || keys.max_age_s.is_some()
+        || keys.max_bytes.is_some()
+        || keys.max_msgs_per_subject.is_some()
+        || keys.duplicate_window_s.is_some()
+        || keys.replicas.is_some();
+    match name.as_str() {
+        "zmq" if nats_set => Err("nats_*: set, but kv_event_transport is `zmq` (use `nats`)".into()),
+        "zmq" => Ok(Transport::Zmq),
+        "nats" => Ok(Transport::Nats(keys.settings()?)),
+        other => Err(format!("kv_event_transport: `{other}` is not one of zmq, nats")),
+    }
+}
+
+fn discovery(file: &FileConfig, cli: &Cli) -> Result<Discovery, String> {
+    let backend = cli.discovery_backend.clone().or(file.discovery_backend.clone()).unwrap_or_else(|| "static".into());
+    let etcd_set = !file.etcd_endpoints.is_empty()
+        || !cli.etcd_endpoints.is_empty()
+        || file.etcd_prefix.is_some()
+        || cli.etcd_prefix.is_some()
+        || file.etcd_model.is_some();
+    let dns_set = file.dns_name.is_some()
+        || cli.dns_name.is_some()
+        || file.dns_http_port.is_some()
+        || file.dns_events_port.is_some()
+        || file.dns_replay_port.is_some()
+        || file.dns_role.is_some()
+        || file.dns_dp_ranks.is_some()
+        || file.dns_interval_ms.is_some();
+    // Settings of a backend that is not in use are a mistake, not something to ignore.
+    if etcd_set && backend != "etcd" {
+        return Err(format!("etcd_*: set, but discovery_backend is `{backend}` (use `etcd`)"));
+    }
+    if dns_set && backend != "dns" {
+        return Err(format!("dns_*: set, but discovery_backend is `{backend}` (use `dns`)"));
+    }
+    match backend.as_str() {
+        "static" => Ok(Discovery::Static),
+        "etcd" => {
+            let mut endpoints = file.etcd_endpoints.clone();
+            endpoints.extend(cli.etcd_endpoints.iter().cloned());
+            if endpoints.is_empty() {
+                return Err("etcd_endpoints: none (use --etcd-endpoint http://host:2379)".into());
+            }
+            for e in &endpoints {
+                etcd_endpoint(e)?;
+            }
+            let prefix =
+                cli.etcd_prefix.clone().or(file.etcd_prefix.clone()).unwrap_or_else(|| DEFAULT_ETCD_PREFIX.into());
+            if prefix.is_empty() {
+                return Err("etcd_prefix: must not be empty (every key of the cluster would be a worker)".into());
+            }
+            Ok(Discovery::Etcd(EtcdDiscovery { endpoints, prefix, model: file.etcd_model.clone() }))
+        }
+        "dns" => {
+            let name = cli.dns_name.clone().or(file.dns_name.clone()).unwrap_or_default();
+            if name.is_empty() || name.len() > 253 || name.contains(|c: char| c.is_whitespace() || c == ':' || c == '/')
+            {
+                return Err(format!("dns_name: `{name}` must be a host name (e.g. vllm.default.svc.cluster.local)"));
+            }
+            let dp_ranks = file.dns_dp_ranks.unwrap_or(1);
+            if !(1..=MAX_DP_RANKS).contains(&dp_ranks) {
+                return Err(format!("dns_dp_ranks: {dp_ranks} is not in 1..={MAX_DP_RANKS}"));
+            }
+            let port = |v: Option<u16>, default: u16, field: &str| match v.unwrap_or(default) {
+                0 => Err(format!("{field}: must be a port in 1..=65535")),
+                p if u32::from(p) + dp_ranks - 1 > u32::from(u16::MAX) => {
+                    Err(format!("{field}: {p} + dns_dp_ranks exceeds 65535"))
+                }
+                p => Ok(p),
+            };
+            let interval = match file.dns_interval_ms.unwrap_or(1000) {
+                0 => return Err("dns_interval_ms: must be at least 1".into()),
+                n => Duration::from_millis(n),
+            };
+            Ok(Discovery::Dns(DnsDiscovery {
+                name,
+                http_port: port(file.dns_http_port, 8000, "dns_http_port")?,
+                events_port: port(file.dns_events_port, 5557, "dns_events_port")?,
+                replay_port: file.dns_replay_port.map(|p| port(Some(p), p, "dns_replay_port")).transpose()?,
+                role: role("dns_role", file.dns_role.as_deref())?,
+                dp_ranks,
+                interval,
+            }))
+        }
+        other => Err(format!("discovery_backend: `{other}` is not one of static, dns, etcd")),
+    }
+}
+
+/// An etcd client URL: `http://host:port` (TLS is not supported yet).
+fn etcd_endpoint(e: &str) -> Result<(), String> {
+    let rest = e.strip_prefix("http://").unwrap_or(e);
+    let ok = !rest.contains('/')
+        && rest.rsplit_once(':').is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok_and(|p| p > 0));
+    if ok {
+        Ok(())
+    } else {
+        Err(format!("etcd_endpoints: `{e}` must be http://host:port"))
+    }
+}
+
+fn role(field: &str, v: Option<&str>) -> Result<Role, String> {
+    match v.unwrap_or("both") {
+        "both" => Ok(Role::Both),
+        "prefill" => Ok(Role::Prefill),
+        "decode" => Ok(Role::Decode),
+        other => Err(format!("{field}: `{other}` is not one of both, prefill, decode")),
+    }
+}
+
+pub(crate) fn parse_worker_flag(spec: &str) -> Result<FileWorker, String> {
     let bad = |why: &str| format!("--worker `{spec}`: {why}");
     let (head, rest) = spec.split_once(',').unwrap_or((spec, ""));
     let (id, events) = head.split_once('=').ok_or_else(|| bad("expected ID=EVENTS_ENDPOINT"))?;
@@ -196,7 +423,8 @@ fn parse_worker_flag(spec: &str) -> Result<FileWorker, String> {
     Ok(w)
 }
 
-fn worker(field: &str, w: FileWorker) -> Result<WorkerConfig, String> {
+/// Validates one worker (`field` names it in errors).
+pub(crate) fn worker(field: &str, w: FileWorker) -> Result<WorkerConfig, String> {
     if w.id.is_empty() || w.id.len() > 255 || w.id.parse::<SocketAddr>().is_err() {
         return Err(format!(
             "{field}.id: `{}` must be the ip:port Envoy routes to (e.g. 10.0.0.5:8000, [fd00::5]:8000)",
@@ -211,12 +439,7 @@ fn worker(field: &str, w: FileWorker) -> Result<WorkerConfig, String> {
     if let Some(r) = &w.replay {
         endpoint(&format!("{field}.replay"), r, dp_ranks)?;
     }
-    let role = match w.role.as_deref().unwrap_or("both") {
-        "both" => Role::Both,
-        "prefill" => Role::Prefill,
-        "decode" => Role::Decode,
-        other => return Err(format!("{field}.role: `{other}` is not one of both, prefill, decode")),
-    };
+    let role = role(&format!("{field}.role"), w.role.as_deref())?;
     Ok(WorkerConfig { id: w.id, events: w.events, replay: w.replay, role, dp_ranks })
 }
 
@@ -253,6 +476,13 @@ fn offset_port(ep: &str, rank: u32) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_example_configuration_loads() {
+        let c = Config::from_toml(include_str!("../sidecar.example.toml"), &Cli::default()).unwrap();
+        assert_eq!(c.workers.len(), 2);
+        assert!(matches!(c.discovery, Discovery::Static));
+    }
 
     const GOOD: &str = r#"
 block_size = 16
@@ -291,7 +521,9 @@ dp_ranks = 2
             ("[[workers]]\nid=\"1.2.3.4:1\"\nevents=\"tcp://a:1\"\nrole=\"boss\"", "workers[0].role"),
             ("[[workers]]\nid=\"1.2.3.4:1\"\nevents=\"tcp://a:65535\"\ndp_ranks=2", "workers[0].events"),
             ("[[workers]]\nid=\"1.2.3.4:1\"\nevents=\"tcp://a:1\"\ncolour=1", "colour"),
-            ("kv_event_transport = \"nats\"", "kv_event_transport"),
+            ("kv_event_transport = \"kafka\"", "kv_event_transport"),
+            ("nats_stream = \"S\"\n[[workers]]\nid=\"1.2.3.4:1\"\nevents=\"tcp://a:1\"", "nats_*"),
+            ("kv_event_transport = \"nats\"\nnats_replicas = 9\n[[workers]]\nid=\"1.2.3.4:1\"\nevents=\"tcp://a:1\"", "nats_replicas"),
             ("", "workers"),
             (
                 "[[workers]]\nid=\"1.2.3.4:1\"\nevents=\"tcp://a:1\"\n[[workers]]\nid=\"1.2.3.4:1\"\nevents=\"tcp://a:2\"",
@@ -304,5 +536,58 @@ dp_ranks = 2
         }
         let cli = Cli { workers: vec!["1.2.3.4:1=tcp://a:1,colour=red".into()], ..Cli::default() };
         assert!(Config::from_toml("", &cli).unwrap_err().contains("--worker"));
+    }
+
+    #[test]
+    fn the_nats_transport_takes_its_settings() {
+        let text = "kv_event_transport = \"nats\"\nnats_stream = \"KV\"\nnats_max_age_s = 600\n\
+                    [[workers]]\nid=\"1.2.3.4:1\"\nevents=\"tcp://a:1\"";
+        let cli = Cli { nats_url: Some("nats://10.0.0.2:4222".into()), ..Cli::default() };
+        let Transport::Nats(n) = Config::from_toml(text, &cli).unwrap().transport else { panic!("not nats") };
+        assert_eq!((n.url.as_str(), n.stream.as_str(), n.max_age.as_secs()), ("nats://10.0.0.2:4222", "KV", 600));
+    }
+
+    #[test]
+    fn discovery_backends_are_validated() {
+        let etcd = Config::from_toml(
+            "discovery_backend = \"etcd\"\netcd_endpoints = [\"http://127.0.0.1:2379\"]\netcd_model = \"m\"",
+            &Cli { etcd_endpoints: vec!["10.0.0.1:2379".into()], ..Cli::default() },
+        )
+        .unwrap();
+        assert!(etcd.workers.is_empty());
+        assert!(matches!(&etcd.discovery, Discovery::Etcd(d)
+            if d.endpoints.len() == 2 && d.prefix == DEFAULT_ETCD_PREFIX && d.model.as_deref() == Some("m")));
+        let dns = Config::from_toml(
+            "discovery_backend = \"dns\"\ndns_name = \"vllm.default.svc\"\ndns_replay_port = 5558\ndns_dp_ranks = 2",
+            &Cli::default(),
+        )
+        .unwrap();
+        assert!(matches!(&dns.discovery, Discovery::Dns(d)
+            if d.http_port == 8000 && d.events_port == 5557 && d.replay_port == Some(5558) && d.dp_ranks == 2));
+        let w = "[[workers]]\nid=\"1.2.3.4:1\"\nevents=\"tcp://a:1\"\n";
+        let cases = [
+            ("discovery_backend = \"consul\"", "discovery_backend"),
+            ("discovery_backend = \"etcd\"", "etcd_endpoints"),
+            ("discovery_backend = \"etcd\"\netcd_endpoints = [\"http://h:2379/x\"]", "etcd_endpoints"),
+            ("discovery_backend = \"etcd\"\netcd_endpoints = [\"h:2379\"]\netcd_prefix = \"\"", "etcd_prefix"),
+            ("discovery_backend = \"dns\"", "dns_name"),
+            ("discovery_backend = \"dns\"\ndns_name = \"a b\"", "dns_name"),
+            ("discovery_backend = \"dns\"\ndns_name = \"a\"\ndns_http_port = 0", "dns_http_port"),
+            (
+                "discovery_backend = \"dns\"\ndns_name = \"a\"\ndns_events_port = 65535\ndns_dp_ranks = 2",
+                "dns_events_port",
+            ),
+            ("discovery_backend = \"dns\"\ndns_name = \"a\"\ndns_role = \"boss\"", "dns_role"),
+            ("dns_name = \"a\"", "discovery_backend is `static`"),
+            ("etcd_prefix = \"/x/\"", "discovery_backend is `static`"),
+        ];
+        for (text, field) in cases {
+            let text = if text.contains("backend") { text.to_string() } else { format!("{text}\n{w}") };
+            let err = Config::from_toml(&text, &Cli::default()).unwrap_err();
+            assert!(err.contains(field), "{text:?} → {err}");
+        }
+        // A fleet named twice is refused.
+        let both = format!("discovery_backend = \"dns\"\ndns_name = \"a\"\n{w}");
+        assert!(Config::from_toml(&both, &Cli::default()).unwrap_err().contains("use one"));
     }
 }

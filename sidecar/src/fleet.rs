@@ -1,6 +1,10 @@
 //! The whole fleet's state: every worker's cache, the feed's version and change log, and
 //! the counters `/metrics` shows. One `Fleet` lives behind a mutex; the ingest thread
 //! applies events to it, the HTTP server reads frames and views from it.
+//!
+//! Workers come and go (discovery), so each has a [`WorkerKey`] that is never reused within
+//! the process: events, resets and the change log name workers by key, and a feed frame's
+//! worker indices are positions in the list as it is when the frame is cut.
 
 use crate::cache::{Change, Outcome, WorkerCache};
 use crate::changelog::ChangeLog;
@@ -68,6 +72,18 @@ pub struct Stats {
     pub feed_waiting: u64,
     /// `version - since` of the latest feed request.
     pub feed_lag_versions: u64,
+    /// Workers added and removed after start (discovery).
+    pub workers_added: u64,
+    pub workers_removed: u64,
+    /// Workers discovery offered that could not be added (fleet full, id taken).
+    pub workers_refused: u64,
+    /// Discovery lookups or sessions that failed (the last worker list was kept).
+    pub discovery_errors: u64,
+    /// Discovery records that did not describe a worker (ignored).
+    pub discovery_records_bad: u64,
+    /// Endpoint-discovery polls answered, and refused as malformed.
+    pub eds_requests: u64,
+    pub eds_bad_requests: u64,
 }
 
 #[derive(Debug, Default, Clone)]
@@ -78,12 +94,23 @@ pub struct RankState {
     pub lag_ms: Option<f64>,
 }
 
+/// A worker's name inside this process: positions shift when a worker leaves, keys do not.
+pub type WorkerKey = u32;
+
 #[derive(Debug)]
 pub struct WorkerState {
+    pub key: WorkerKey,
     pub config: WorkerConfig,
     pub cache: WorkerCache,
     pub up: bool,
     pub ranks: Vec<RankState>,
+}
+
+impl WorkerState {
+    fn new(key: WorkerKey, config: WorkerConfig) -> WorkerState {
+        let ranks = config.dp_ranks as usize;
+        WorkerState { key, cache: WorkerCache::new(ranks), up: true, ranks: vec![RankState::default(); ranks], config }
+    }
 }
 
 /// A snapshot cut at one version, kept so its later pages show that same version.
@@ -99,6 +126,7 @@ pub struct Fleet {
     block_size: u32,
     page_blocks: usize,
     pub workers: Vec<WorkerState>,
+    next_key: WorkerKey,
     log: ChangeLog,
     snapshot: Option<Snapshot>,
     pub stats: Stats,
@@ -115,22 +143,15 @@ pub enum FeedReply {
 
 impl Fleet {
     pub fn new(config: &Config, epoch: u64) -> Fleet {
-        let workers = config
-            .workers
-            .iter()
-            .map(|w| WorkerState {
-                config: w.clone(),
-                cache: WorkerCache::new(w.dp_ranks as usize),
-                up: true,
-                ranks: vec![RankState::default(); w.dp_ranks as usize],
-            })
-            .collect();
+        let workers: Vec<WorkerState> =
+            config.workers.iter().enumerate().map(|(i, w)| WorkerState::new(i as WorkerKey, w.clone())).collect();
         let (version_tx, _) = watch::channel(0);
         Fleet {
             epoch: epoch.max(1),
             version: 0,
             block_size: config.block_size,
             page_blocks: config.snapshot_page_blocks,
+            next_key: workers.len() as WorkerKey,
             workers,
             log: ChangeLog::new(config.log_max_blocks),
             snapshot: None,
@@ -152,19 +173,60 @@ impl Fleet {
         self.version_tx.subscribe()
     }
 
+    /// The worker with this key, if it is still in the fleet.
+    pub fn worker(&self, key: WorkerKey) -> Option<&WorkerState> {
+        self.workers.iter().find(|w| w.key == key)
+    }
+
+    fn position(&self, key: WorkerKey) -> Option<usize> {
+        self.workers.iter().position(|w| w.key == key)
+    }
+
+    /// Adds a worker holding nothing; a new version. Refused if the id is taken or the
+    /// fleet is full. The change log starts it with a CLEAR, so a client that never saw an
+    /// earlier worker of the same id leave drops what that one held.
+    pub fn add_worker(&mut self, config: WorkerConfig) -> Result<WorkerKey, String> {
+        if self.workers.iter().any(|w| w.config.id == config.id) {
+            return Err(format!("worker {} is already in the fleet", config.id));
+        }
+        if self.workers.len() >= crate::config::MAX_WORKERS {
+            return Err(format!("worker {}: the fleet is full ({} workers)", config.id, self.workers.len()));
+        }
+        let key = self.next_key;
+        self.next_key = self.next_key.wrapping_add(1);
+        log::info!("worker {} joined ({} ranks, role {})", config.id, config.dp_ranks, role_name(config.role));
+        self.workers.push(WorkerState::new(key, config));
+        self.stats.workers_added += 1;
+        self.log.clear(self.version + 1, key);
+        self.bump();
+        Ok(key)
+    }
+
+    /// Removes a worker and all it holds; a new version (clients drop a worker that is
+    /// absent from a frame's list). What the log holds for it is skipped from then on.
+    pub fn remove_worker(&mut self, key: WorkerKey) -> bool {
+        let Some(i) = self.position(key) else { return false };
+        let w = self.workers.remove(i);
+        log::info!("worker {} left ({} blocks dropped)", w.config.id, w.cache.block_count());
+        self.stats.workers_removed += 1;
+        self.bump();
+        true
+    }
+
     /// Applies one batch payload from worker `w`, DP rank `rank`, sequence `seq`, event by
     /// event as it decodes. A payload that does not decode is an error once its first
     /// events were applied (and logged): the caller clears the rank, as it must for any batch
     /// it cannot read, which drops them with the rest.
     pub fn apply_payload(
         &mut self,
-        w: usize,
+        key: WorkerKey,
         rank: usize,
         seq: u64,
         payload: &[u8],
         now: Instant,
         now_unix: f64,
     ) -> Result<(), DecodeError> {
+        let Some(w) = self.position(key) else { return Ok(()) };
         let tail = self.apply_events(w, |f, changes, changed| {
             let mut reader = BatchReader::new(payload)?;
             while let Some(ev) = reader.next_event()? {
@@ -177,7 +239,8 @@ impl Fleet {
     }
 
     /// Applies one decoded batch (as [`Fleet::apply_payload`] does its payload).
-    pub fn apply_batch(&mut self, w: usize, rank: usize, seq: u64, batch: &Batch, now: Instant, now_unix: f64) {
+    pub fn apply_batch(&mut self, key: WorkerKey, rank: usize, seq: u64, batch: &Batch, now: Instant, now_unix: f64) {
+        let Some(w) = self.position(key) else { return };
         let _infallible: Result<(), DecodeError> = self.apply_events(w, |f, changes, changed| {
             for ev in &batch.events {
                 *changed |= f.apply_event(w, rank, ev, changes);
@@ -198,7 +261,8 @@ impl Fleet {
         let mut changes = std::mem::take(&mut self.changes);
         let mut changed = false;
         let result = apply(self, &mut changes, &mut changed);
-        changed |= Self::log_changes(&mut self.log, self.version + 1, w, &mut changes);
+        let key = self.workers.get(w).map_or(WorkerKey::MAX, |x| x.key);
+        changed |= Self::log_changes(&mut self.log, self.version + 1, key, &mut changes);
         self.changes = changes;
         if changed {
             self.bump();
@@ -254,8 +318,8 @@ impl Fleet {
             }
             Event::Cleared => {
                 // What came before the clear is logged before it.
-                changed |= Self::log_changes(&mut self.log, self.version + 1, w, changes);
-                changed |= Self::clear_into(&mut self.log, self.version + 1, w, worker, rank, changes);
+                changed |= Self::log_changes(&mut self.log, self.version + 1, worker.key, changes);
+                changed |= Self::clear_into(&mut self.log, self.version + 1, worker, rank, changes);
                 (2, Outcome::Applied)
             }
         };
@@ -265,9 +329,9 @@ impl Fleet {
         changed
     }
 
-    /// Forgets what DP rank `rank` of worker `w` holds, to rebuild it from later events.
-    pub fn reset_rank(&mut self, w: usize, rank: usize, reason: ResetReason) {
-        let Some(worker) = self.workers.get_mut(w) else { return };
+    /// Forgets what DP rank `rank` of worker `key` holds, to rebuild it from later events.
+    pub fn reset_rank(&mut self, key: WorkerKey, rank: usize, reason: ResetReason) {
+        let Some(worker) = self.workers.iter_mut().find(|w| w.key == key) else { return };
         let mut n = 0;
         if let Some(i) = ResetReason::ALL.iter().position(|r| *r == reason) {
             self.stats.resets[i] += 1;
@@ -278,7 +342,7 @@ impl Fleet {
             log::warn!("worker {} rank {rank}: cleared and rebuilding ({}, #{n})", worker.config.id, reason.label());
         }
         let mut changes = std::mem::take(&mut self.changes);
-        let changed = Self::clear_into(&mut self.log, self.version + 1, w, worker, rank, &mut changes);
+        let changed = Self::clear_into(&mut self.log, self.version + 1, worker, rank, &mut changes);
         self.changes = changes;
         if changed {
             self.bump();
@@ -286,8 +350,8 @@ impl Fleet {
     }
 
     /// Marks a worker up or down; a change is a new version (the worker list changed).
-    pub fn set_up(&mut self, w: usize, up: bool) {
-        let Some(worker) = self.workers.get_mut(w) else { return };
+    pub fn set_up(&mut self, key: WorkerKey, up: bool) {
+        let Some(worker) = self.workers.iter_mut().find(|w| w.key == key) else { return };
         if worker.up != up {
             worker.up = up;
             log::warn!("worker {} marked {}", worker.config.id, if up { "up" } else { "down" });
@@ -298,7 +362,6 @@ impl Fleet {
     fn clear_into(
         log: &mut ChangeLog,
         version: u64,
-        w: usize,
         worker: &mut WorkerState,
         rank: usize,
         changes: &mut Vec<Change>,
@@ -307,24 +370,24 @@ impl Fleet {
         if worker.cache.clear_rank(rank, changes) {
             changes.clear();
             if had > 0 {
-                log.clear(version, w as u32);
+                log.clear(version, worker.key);
                 return true;
             }
             false
         } else {
-            Self::log_changes(log, version, w, changes)
+            Self::log_changes(log, version, worker.key, changes)
         }
     }
 
     /// Logs `changes` (drained) as runs of one kind.
-    fn log_changes(log: &mut ChangeLog, version: u64, w: usize, changes: &mut Vec<Change>) -> bool {
+    fn log_changes(log: &mut ChangeLog, version: u64, key: WorkerKey, changes: &mut Vec<Change>) -> bool {
         if changes.is_empty() {
             return false;
         }
         let flush = |log: &mut ChangeLog, kind: &Change, run: Vec<FeedBlock>| match kind {
-            Change::Store(_) => log.store(version, w as u32, run),
-            Change::StoreOffloaded(_) => log.store_offloaded(version, w as u32, run),
-            Change::Remove(_) => log.remove(version, w as u32, run),
+            Change::Store(_) => log.store(version, key, run),
+            Change::StoreOffloaded(_) => log.store_offloaded(version, key, run),
+            Change::Remove(_) => log.remove(version, key, run),
         };
         let mut run: Vec<FeedBlock> = Vec::new();
         let mut kind = changes[0];
@@ -368,7 +431,9 @@ impl Fleet {
             if since == self.version && may_wait {
                 return FeedReply::Wait;
             }
-            if let Some(ops) = self.log.delta(since, tiers) {
+            let position: std::collections::HashMap<WorkerKey, u32> =
+                self.workers.iter().enumerate().map(|(i, w)| (w.key, i as u32)).collect();
+            if let Some(ops) = self.log.delta(since, tiers, |key| position.get(&key).copied()) {
                 self.stats.feed_frames[0] += 1;
                 let frame = Frame {
                     kind: FrameKind::Delta,
@@ -655,5 +720,59 @@ mod tests {
         // clearing an empty worker is not a change
         f.reset_rank(0, 0, ResetReason::GapNotReplayed);
         assert_eq!(f.version(), 3);
+    }
+
+    fn worker_config(id: &str) -> WorkerConfig {
+        crate::config::worker(
+            "w",
+            crate::config::FileWorker { id: id.into(), events: "tcp://127.0.0.1:9".into(), ..Default::default() },
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn workers_join_and_leave_and_deltas_follow_by_key() {
+        let mut f = fleet(1000);
+        let now = Instant::now();
+        f.apply_batch(0, 0, 0, &batch(vec![stored(&[1], None, 0)]), now, 0.0);
+        f.apply_batch(1, 0, 0, &batch(vec![stored(&[2], None, 16)]), now, 0.0);
+        let v = f.version();
+        // Worker 0 leaves: worker 1 moves to position 0, and its later changes say so.
+        assert!(f.remove_worker(0));
+        assert!(!f.remove_worker(0));
+        f.apply_batch(1, 0, 1, &batch(vec![stored(&[3], Some(2), 32)]), now, 0.0);
+        // Events for the gone worker change nothing.
+        f.apply_batch(0, 0, 1, &batch(vec![stored(&[9], None, 48)]), now, 0.0);
+        let d = frame(f.feed(42, v, 0, true, true));
+        assert_eq!(d.workers.iter().map(|w| w.id.as_str()).collect::<Vec<_>>(), ["127.0.0.1:8102"]);
+        assert!(matches!(&d.ops[..], [Op::Store { worker: 0, blocks }] if blocks.len() == 1));
+        // A client from before worker 1's first batch still gets it, at its new position;
+        // worker 0's stores are skipped (the frame's list no longer has it).
+        let d = frame(f.feed(42, 0, 0, true, true));
+        assert!(matches!(&d.ops[..], [Op::Store { worker: 0, blocks }] if blocks.len() == 2));
+        // A worker that joins starts with a CLEAR (an earlier worker of its id may have
+        // held blocks a client never saw it drop) and gets a new key.
+        let v = f.version();
+        let key = f.add_worker(worker_config("127.0.0.1:8101")).unwrap();
+        assert_eq!(key, 2);
+        assert!(f.add_worker(worker_config("127.0.0.1:8101")).unwrap_err().contains("already"));
+        let d = frame(f.feed(42, v, 0, true, true));
+        assert_eq!(d.workers.len(), 2);
+        assert_eq!(d.ops, vec![Op::Clear { worker: 1 }]);
+        f.apply_batch(key, 0, 0, &batch(vec![stored(&[5], None, 64)]), now, 0.0);
+        let s = frame(f.feed(0, 0, 0, true, true));
+        assert!(
+            matches!(&s.ops[..], [Op::Store { worker: 0, .. }, Op::Store { worker: 1, blocks }] if blocks.len() == 1)
+        );
+        assert_eq!((f.stats.workers_added, f.stats.workers_removed), (1, 1));
+    }
+
+    #[test]
+    fn the_fleet_refuses_workers_beyond_its_limit() {
+        let mut f = fleet(1000);
+        for i in 2..crate::config::MAX_WORKERS {
+            f.add_worker(worker_config(&format!("10.0.{}.{}:8000", i / 250, i % 250))).unwrap();
+        }
+        assert!(f.add_worker(worker_config("10.9.9.9:8000")).unwrap_err().contains("full"));
     }
 }

@@ -4,7 +4,8 @@
 //! or its next event.
 
 use crate::config::Config;
-use crate::fleet::Fleet;
+use crate::fleet::{Fleet, WorkerKey};
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -15,33 +16,42 @@ const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
 pub async fn run(config: Config, fleet: Arc<Mutex<Fleet>>, started: Instant) {
     let Some(path) = config.health_path.clone() else { return };
     let mut tick = tokio::time::interval(config.health_interval);
+    // Static workers count their silence from the sidecar's start; discovered ones from
+    // when this loop first saw them.
+    let mut joined: HashMap<WorkerKey, Instant> = HashMap::new();
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
         let now = Instant::now();
         // Which workers are silent (no batch from any rank for `silent_after`)?
-        let silent: Vec<(usize, String)> = {
+        // A worker that joined later counts from when it joined.
+        let silent: Vec<(WorkerKey, String)> = {
             let f = crate::fleet::lock(&fleet);
+            for w in &f.workers {
+                joined.entry(w.key).or_insert(now);
+            }
+            joined.retain(|k, _| f.worker(*k).is_some());
             f.workers
                 .iter()
-                .enumerate()
-                .filter_map(|(i, w)| {
-                    let last = w.ranks.iter().filter_map(|r| r.last_event_at).max().unwrap_or(started);
-                    (now.saturating_duration_since(last) >= config.silent_after).then(|| (i, w.config.id.clone()))
+                .filter_map(|w| {
+                    let since = joined.get(&w.key).copied().unwrap_or(started);
+                    let last = w.ranks.iter().filter_map(|r| r.last_event_at).max().unwrap_or(since);
+                    (now.saturating_duration_since(last) >= config.silent_after).then(|| (w.key, w.config.id.clone()))
                 })
                 .collect()
         };
         let mut results = Vec::new();
-        for (i, id) in &silent {
-            results.push((*i, probe(id, &path).await));
+        for (key, id) in &silent {
+            results.push((*key, probe(id, &path).await));
         }
         let mut f = crate::fleet::lock(&fleet);
-        for i in 0..f.workers.len() {
-            let up = match results.iter().find(|(j, _)| *j == i) {
+        let keys: Vec<WorkerKey> = f.workers.iter().map(|w| w.key).collect();
+        for key in keys {
+            let up = match results.iter().find(|(k, _)| *k == key) {
                 Some((_, ok)) => *ok,
                 None => true, // sending events
             };
-            f.set_up(i, up);
+            f.set_up(key, up);
         }
     }
 }

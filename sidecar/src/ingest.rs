@@ -7,9 +7,14 @@
 //! replay that runs too long ends. The ZMQ source is [`crate::zmq_source`]; another
 //! transport (NATS JetStream) is another `Source`, with this loop and the sequencing
 //! unchanged.
+//!
+//! The worker list can change under a running loop ([`Ingest::set_workers`], fed by
+//! discovery): a worker that joins gets its streams subscribed and sequenced from nothing
+//! (its first batch asks its publisher to replay what came before), one that leaves has
+//! its streams closed and its state dropped, both between two turns.
 
-use crate::config::Config;
-use crate::fleet::{lock, Fleet, ResetReason};
+use crate::config::{Config, WorkerConfig};
+use crate::fleet::{lock, Fleet, ResetReason, WorkerKey};
 use crate::sequence::{Count, ReplayReply, Sequencer, Sink};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -21,7 +26,9 @@ pub const POLL_INTERVAL: Duration = Duration::from_millis(50);
 /// One publisher to subscribe to, as the configuration names it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct StreamSpec {
-    pub worker: usize,
+    pub worker: WorkerKey,
+    /// The worker's `ip:port` (the NATS transport's subjects are named after it).
+    pub worker_id: String,
     pub rank: usize,
     /// `<worker id> rank <rank>`, for logs.
     pub label: String,
@@ -31,21 +38,24 @@ pub struct StreamSpec {
     pub replay: Option<String>,
 }
 
-/// Every configured worker's publishers, in order (the index is the stream's number).
+/// Every configured worker's publishers, in order (the index is the stream's number); the
+/// workers' keys are their positions, as [`Fleet::new`] gives them.
 pub fn streams(config: &Config) -> Vec<StreamSpec> {
-    let mut out = Vec::new();
-    for (w, wc) in config.workers.iter().enumerate() {
-        for rank in 0..wc.dp_ranks {
-            out.push(StreamSpec {
-                worker: w,
-                rank: rank as usize,
-                label: format!("{} rank {rank}", wc.id),
-                events: wc.events_for(rank),
-                replay: wc.replay_for(rank),
-            });
-        }
-    }
-    out
+    config.workers.iter().enumerate().flat_map(|(w, wc)| worker_streams(w as WorkerKey, wc)).collect()
+}
+
+/// One worker's publishers, one per DP rank.
+pub fn worker_streams(key: WorkerKey, wc: &WorkerConfig) -> Vec<StreamSpec> {
+    (0..wc.dp_ranks)
+        .map(|rank| StreamSpec {
+            worker: key,
+            worker_id: wc.id.clone(),
+            rank: rank as usize,
+            label: format!("{} rank {rank}", wc.id),
+            events: wc.events_for(rank),
+            replay: wc.replay_for(rank),
+        })
+        .collect()
 }
 
 /// What a source read for one stream.
@@ -72,10 +82,14 @@ pub trait Source {
     fn request_replay(&mut self, stream: usize, from: u64) -> bool;
     /// The stream's replay is over: stop listening for it.
     fn end_replay(&mut self, stream: usize);
+    /// Starts listening to one more stream; it is numbered after the existing ones.
+    fn add_stream(&mut self, spec: &StreamSpec) -> Result<(), String>;
+    /// Stops listening to stream `stream`; the streams after it move down by one.
+    fn remove_stream(&mut self, stream: usize);
 }
 
 struct Stream {
-    worker: usize,
+    worker: WorkerKey,
     rank: usize,
     seq: Sequencer,
 }
@@ -84,26 +98,108 @@ pub struct Ingest<S: Source> {
     source: S,
     streams: Vec<Stream>,
     fleet: Arc<Mutex<Fleet>>,
+    max_pending_batches: usize,
+    replay_timeout: Duration,
+    /// Worker lists from discovery, the whole fleet each; the newest is applied.
+    membership: Option<std::sync::mpsc::Receiver<Vec<WorkerConfig>>>,
 }
 
 impl<S: Source> Ingest<S> {
     /// `specs`: the streams `source` was connected to, in the same order.
     pub fn new(config: &Config, specs: &[StreamSpec], source: S, fleet: Arc<Mutex<Fleet>>) -> Ingest<S> {
-        let streams = specs
-            .iter()
-            .map(|s| Stream {
-                worker: s.worker,
-                rank: s.rank,
-                seq: Sequencer::new(s.label.clone(), config.max_pending_batches, config.replay_timeout),
-            })
-            .collect();
-        Ingest { source, streams, fleet }
+        let mut ingest = Ingest {
+            source,
+            streams: Vec::new(),
+            fleet,
+            max_pending_batches: config.max_pending_batches,
+            replay_timeout: config.replay_timeout,
+            membership: None,
+        };
+        ingest.streams = specs.iter().map(|s| ingest.stream(s)).collect();
+        ingest
+    }
+
+    fn stream(&self, spec: &StreamSpec) -> Stream {
+        Stream {
+            worker: spec.worker,
+            rank: spec.rank,
+            seq: Sequencer::new(spec.label.clone(), self.max_pending_batches, self.replay_timeout),
+        }
+    }
+
+    /// Takes the fleet's worker list from `rx` (discovery) from now on.
+    pub fn follow(&mut self, rx: std::sync::mpsc::Receiver<Vec<WorkerConfig>>) {
+        self.membership = Some(rx);
     }
 
     /// Runs until `stop` is set.
     pub fn run(mut self, stop: Arc<AtomicBool>) {
         while !stop.load(Ordering::Relaxed) {
+            if let Some(workers) = self.membership.as_ref().and_then(|rx| rx.try_iter().last()) {
+                self.set_workers(&workers);
+            }
             self.turn(POLL_INTERVAL);
+        }
+    }
+
+    /// Makes the fleet exactly `workers`: those not in it (or whose configuration changed)
+    /// leave, the new ones join. A worker the fleet refuses (full) is counted and logged;
+    /// the next list that still names it tries again.
+    pub fn set_workers(&mut self, workers: &[WorkerConfig]) {
+        let current: Vec<(WorkerKey, WorkerConfig)> =
+            lock(&self.fleet).workers.iter().map(|w| (w.key, w.config.clone())).collect();
+        for (key, config) in &current {
+            if !workers.contains(config) {
+                self.remove_worker(*key);
+            }
+        }
+        for config in workers {
+            if !current.iter().any(|(_, c)| c == config) {
+                self.add_worker(config);
+            }
+        }
+    }
+
+    fn remove_worker(&mut self, key: WorkerKey) {
+        for i in (0..self.streams.len()).rev() {
+            if self.streams[i].worker == key {
+                self.source.remove_stream(i);
+                self.streams.remove(i);
+            }
+        }
+        lock(&self.fleet).remove_worker(key);
+    }
+
+    fn add_worker(&mut self, config: &WorkerConfig) {
+        let key = match lock(&self.fleet).add_worker(config.clone()) {
+            Ok(k) => k,
+            Err(e) => {
+                let mut f = lock(&self.fleet);
+                f.stats.workers_refused += 1;
+                if f.stats.workers_refused.is_power_of_two() {
+                    log::error!("discovery: {e} (#{})", f.stats.workers_refused);
+                }
+                return;
+            }
+        };
+        let specs = worker_streams(key, config);
+        for (n, spec) in specs.iter().enumerate() {
+            if let Err(e) = self.source.add_stream(spec) {
+                // Endpoints are validated before they get here; a transport that still
+                // refuses one leaves the worker out rather than half subscribed.
+                log::error!("{}: cannot subscribe: {e}; worker left out", spec.label);
+                let first = self.streams.len() - n;
+                for i in (first..self.streams.len()).rev() {
+                    self.source.remove_stream(i);
+                }
+                self.streams.truncate(first);
+                let mut f = lock(&self.fleet);
+                f.remove_worker(key);
+                f.stats.workers_refused += 1;
+                return;
+            }
+            let stream = self.stream(spec);
+            self.streams.push(stream);
         }
     }
 
@@ -136,7 +232,7 @@ impl<S: Source> Ingest<S> {
 /// A stream's [`Sink`]: the fleet for batches, resets and counts; the source for replays.
 struct FleetSink<'a, S: Source> {
     fleet: &'a Mutex<Fleet>,
-    worker: usize,
+    worker: WorkerKey,
     rank: usize,
     stream: usize,
     source: &'a mut S,

@@ -5,18 +5,24 @@
 //! - [`fleet`] holds every worker, the feed version and its [`changelog`];
 //! - [`sequence`] decides, per event stream, what to apply, clear or replay (no I/O);
 //! - [`ingest`] runs each stream's sequencer over a [`ingest::Source`]; [`zmq_source`] is
-//!   the ZMQ one: the subscriptions and replay connections;
-//! - [`server`], [`metrics`] and [`health`] are the HTTP side and liveness.
+//!   the ZMQ one: the subscriptions and replay connections; [`nats`] the NATS JetStream
+//!   one ([`nats::source`]) and the relay that fills the stream ([`nats::relay`]);
+//! - [`server`], [`metrics`] and [`health`] are the HTTP side and liveness;
+//! - [`discovery`] keeps the worker list current (static, DNS, etcd); [`eds`] hands it to
+//!   Envoy's `workers` cluster.
 
 pub mod cache;
 pub mod changelog;
 pub mod config;
+pub mod discovery;
+pub mod eds;
 pub mod events;
 pub mod fleet;
 pub mod health;
 pub mod ingest;
 pub mod metrics;
 pub mod msgpack;
+pub mod nats;
 pub mod sequence;
 pub mod server;
 pub mod table;

@@ -2,7 +2,7 @@
 //! feed (`docs/feed-protocol.md`) plus the admin API. Usage: `sidecar/README.md`.
 
 use clap::Parser;
-use kvroute_sidecar::{config, fleet, health, ingest, server, zmq_source};
+use kvroute_sidecar::{config, discovery, fleet, health, ingest, nats, server, zmq_source};
 use std::collections::hash_map::RandomState;
 use std::hash::{BuildHasher, Hasher};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -11,7 +11,12 @@ use std::time::Instant;
 
 fn main() {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info")).init();
-    let cli = config::Cli::parse();
+    let mut cli = config::Cli::parse();
+    match cli.command.take() {
+        Some(config::Command::Register(args)) => std::process::exit(discovery::register::main(args)),
+        Some(config::Command::Relay(args)) => std::process::exit(nats::relay::main(args)),
+        None => {}
+    }
     let config = match config::Config::load(&cli) {
         Ok(c) => c,
         Err(e) => {
@@ -32,19 +37,39 @@ fn new_epoch() -> u64 {
     h.finish().max(1)
 }
 
+/// The ingest loop over `source`, on its own thread, following discovery's worker lists.
+fn start_ingest<S: ingest::Source + Send + 'static>(
+    config: &config::Config,
+    streams: &[ingest::StreamSpec],
+    source: S,
+    fleet: &Arc<Mutex<fleet::Fleet>>,
+    membership: std::sync::mpsc::Receiver<Vec<config::WorkerConfig>>,
+    stop: &Arc<AtomicBool>,
+) -> Result<std::thread::JoinHandle<()>, String> {
+    let mut ingest = ingest::Ingest::new(config, streams, source, fleet.clone());
+    ingest.follow(membership);
+    let stop = stop.clone();
+    std::thread::Builder::new()
+        .name("kv-ingest".into())
+        .spawn(move || ingest.run(stop))
+        .map_err(|e| format!("starting the ingest thread: {e}"))
+}
+
 fn run(config: config::Config) -> Result<(), String> {
     let started = Instant::now();
     let fleet = Arc::new(Mutex::new(fleet::Fleet::new(&config, new_epoch())));
     let streams = ingest::streams(&config);
-    let source = zmq_source::ZmqSource::connect(&streams, &config.topic)?;
-    let ingest = ingest::Ingest::new(&config, &streams, source, fleet.clone());
+    let (membership_tx, membership_rx) = std::sync::mpsc::channel();
     let stop = Arc::new(AtomicBool::new(false));
-    let ingest_thread = {
-        let stop = stop.clone();
-        std::thread::Builder::new()
-            .name("kv-ingest".into())
-            .spawn(move || ingest.run(stop))
-            .map_err(|e| format!("starting the ingest thread: {e}"))?
+    let ingest_thread = match &config.transport {
+        config::Transport::Zmq => {
+            let source = zmq_source::ZmqSource::connect(&streams, &config.topic)?;
+            start_ingest(&config, &streams, source, &fleet, membership_rx, &stop)?
+        }
+        config::Transport::Nats(settings) => {
+            let source = nats::source::NatsSource::connect(settings, &streams)?;
+            start_ingest(&config, &streams, source, &fleet, membership_rx, &stop)?
+        }
     };
 
     let rt = tokio::runtime::Builder::new_current_thread()
@@ -57,6 +82,10 @@ fn run(config: config::Config) -> Result<(), String> {
         log::info!("serving on {} ({} workers, block size {})", config.listen, config.workers.len(), config.block_size);
         let app = Arc::new(server::App { fleet: fleet.clone(), started });
         tokio::spawn(health::run(config.clone(), fleet.clone(), started));
+        {
+            let (config, fleet) = (config.clone(), fleet.clone());
+            tokio::spawn(async move { discovery::run(&config, fleet, membership_tx).await });
+        }
         tokio::select! {
             _ = kvroute_serve::serve_http1(listener, move |req| server::handle(app.clone(), req)) => Ok(()),
             _ = kvroute_serve::shutdown_signal() => {

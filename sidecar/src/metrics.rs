@@ -27,7 +27,7 @@ pub fn render(f: &Fleet, now: Instant, started: Instant) -> String {
             );
         }
     }
-    let counters: [(&str, &str, u64); 10] = [
+    let counters: [(&str, &str, u64); 17] = [
         ("kvroute_sidecar_batches_total", "Event batches decoded and applied.", s.batches),
         (
             "kvroute_sidecar_batches_bad_total",
@@ -50,6 +50,29 @@ pub fn render(f: &Fleet, now: Instant, started: Instant) -> String {
         ("kvroute_sidecar_replays_ok_total", "Replays that covered their gap.", s.replays_ok),
         ("kvroute_sidecar_replays_failed_total", "Replays that could not cover their gap.", s.replays_failed),
         ("kvroute_sidecar_feed_bad_requests_total", "Feed polls refused as malformed.", s.feed_bad_requests),
+        ("kvroute_sidecar_workers_added_total", "Workers that joined after start (discovery).", s.workers_added),
+        ("kvroute_sidecar_workers_removed_total", "Workers that left (discovery).", s.workers_removed),
+        (
+            "kvroute_sidecar_workers_refused_total",
+            "Workers discovery offered that the fleet could not take (full, id taken).",
+            s.workers_refused,
+        ),
+        (
+            "kvroute_sidecar_discovery_errors_total",
+            "Discovery lookups or sessions that failed; the last worker list was kept.",
+            s.discovery_errors,
+        ),
+        (
+            "kvroute_sidecar_discovery_records_bad_total",
+            "Discovery records that do not describe a worker; ignored.",
+            s.discovery_records_bad,
+        ),
+        ("kvroute_sidecar_eds_requests_total", "Envoy endpoint-discovery polls answered.", s.eds_requests),
+        (
+            "kvroute_sidecar_eds_bad_requests_total",
+            "Endpoint-discovery polls refused as malformed.",
+            s.eds_bad_requests,
+        ),
     ];
     for (name, help, v) in counters {
         head(&mut o, name, "counter", help);
@@ -63,10 +86,11 @@ pub fn render(f: &Fleet, now: Instant, started: Instant) -> String {
     for (i, k) in ["delta", "snapshot", "snapshot_page"].iter().enumerate() {
         let _ = writeln!(o, "kvroute_sidecar_feed_frames_total{{kind=\"{k}\"}} {}", s.feed_frames[i]);
     }
-    let gauges: [(&str, &str, u64); 5] = [
+    let gauges: [(&str, &str, u64); 6] = [
         ("kvroute_sidecar_feed_clients_waiting", "Feed long-polls being held now.", s.feed_waiting),
         ("kvroute_sidecar_feed_lag_versions", "Versions the latest feed poll was behind.", s.feed_lag_versions),
         ("kvroute_sidecar_feed_version", "The feed's current version.", f.version()),
+        ("kvroute_sidecar_workers", "Workers in the fleet now.", f.workers.len() as u64),
         ("kvroute_sidecar_changelog_blocks", "Blocks held in the change log.", f.log_blocks() as u64),
         ("kvroute_sidecar_uptime_seconds", "Seconds since start.", now.saturating_duration_since(started).as_secs()),
     ];

@@ -83,6 +83,25 @@ impl Sequencer {
         }
     }
 
+    /// Continues after `seq`, applied elsewhere before (the relay: the last batch its NATS
+    /// stream holds). A later first batch is then a gap, replayed from the publisher.
+    pub fn resume_after(&mut self, seq: u64) {
+        self.expected = Some(seq.wrapping_add(1));
+    }
+
+    /// Asks for everything from the next expected batch (from the first, if none was
+    /// seen) without waiting for a live batch to show the gap: a relay that starts while
+    /// its engine is idle catches up at once.
+    pub fn replay_now(&mut self, now: Instant, sink: &mut dyn Sink) {
+        if self.replay.is_some() {
+            return;
+        }
+        let catch_up = self.expected.is_none();
+        if self.start_replay(self.expected.unwrap_or(0), catch_up, now, sink) {
+            self.expected.get_or_insert(0);
+        }
+    }
+
     pub fn label(&self) -> &str {
         &self.label
     }
@@ -346,6 +365,35 @@ mod tests {
             "3 came in the replay: the held copy is skipped"
         );
         assert!(!q.replaying());
+    }
+
+    #[test]
+    fn a_resumed_stream_replays_what_came_after_its_last_batch() {
+        // The relay restarted: its stream ends at batch 4, the engine is at 7.
+        let (mut q, mut k, t) = (seq(8), sink(true), Instant::now());
+        q.resume_after(4);
+        q.live(7, vec![0], t, &mut k);
+        for r in [batch(4), batch(5), batch(6), ReplayReply::End] {
+            q.replay_reply(r, t, &mut k);
+        }
+        assert_eq!(
+            k.did,
+            [Counted(Count::Gap), Replay(5), Apply(5), Apply(6), EndReplay, Counted(Count::ReplayOk), Apply(7)]
+        );
+        // Asked at once, before any live batch: the same replay.
+        let (mut q, mut k) = (seq(8), sink(true));
+        q.resume_after(4);
+        q.replay_now(t, &mut k);
+        for r in [batch(5), ReplayReply::End] {
+            q.replay_reply(r, t, &mut k);
+        }
+        q.live(6, vec![0], t, &mut k);
+        assert_eq!(k.did, [Replay(5), Apply(5), EndReplay, Counted(Count::ReplayOk), Apply(6)]);
+        // The engine restarted meanwhile (its sequence went back): taken from its start.
+        let (mut q, mut k) = (seq(8), sink(true));
+        q.resume_after(4);
+        q.live(0, vec![0], t, &mut k);
+        assert_eq!(k.did, [Reset(ResetReason::PublisherRestart), Apply(0)]);
     }
 
     #[test]

@@ -37,6 +37,9 @@ fn error(status: StatusCode, msg: &str) -> Resp {
 
 pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Result<Resp, std::convert::Infallible> {
     let path = req.uri().path().to_string();
+    if path == crate::eds::EDS_PATH {
+        return Ok(eds(&app, req).await);
+    }
     if req.method() != Method::GET && req.method() != Method::HEAD {
         return Ok(error(StatusCode::METHOD_NOT_ALLOWED, "only GET"));
     }
@@ -59,6 +62,40 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Result<Resp, std::
         error(StatusCode::NOT_FOUND, "no such path")
     };
     Ok(resp)
+}
+
+/// Envoy's endpoint discovery: a POSTed `DiscoveryRequest`, read up to its size limit.
+async fn eds(app: &App, req: Request<Incoming>) -> Resp {
+    use http_body_util::BodyExt;
+    if req.method() != Method::POST {
+        return error(StatusCode::METHOD_NOT_ALLOWED, "only POST");
+    }
+    let body = match http_body_util::Limited::new(req.into_body(), crate::eds::MAX_REQUEST_BYTES).collect().await {
+        Ok(b) => b.to_bytes(),
+        Err(e) => return eds_refused(app, &format!("request body: {e}")),
+    };
+    let answer = crate::eds::answer(&app.fleet(), &body);
+    match answer {
+        Ok(v) => {
+            app.fleet().stats.eds_requests += 1;
+            json(StatusCode::OK, &v)
+        }
+        Err(e) => eds_refused(app, &e),
+    }
+}
+
+/// A discovery request that cannot be answered: counted, logged (at powers of two: a
+/// misconfigured gateway polls twice a second), and told why.
+fn eds_refused(app: &App, why: &str) -> Resp {
+    let n = {
+        let mut fleet = app.fleet();
+        fleet.stats.eds_bad_requests += 1;
+        fleet.stats.eds_bad_requests
+    };
+    if n.is_power_of_two() {
+        log::warn!("endpoint discovery: {why} (#{n})");
+    }
+    error(StatusCode::BAD_REQUEST, why)
 }
 
 #[derive(Debug)]

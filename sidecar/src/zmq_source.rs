@@ -40,6 +40,7 @@ struct Stream {
 /// One SUB socket per stream, polled together, and a DEALER per running replay.
 pub struct ZmqSource {
     ctx: zmq::Context,
+    topic: String,
     streams: Vec<Stream>,
 }
 
@@ -47,18 +48,23 @@ impl ZmqSource {
     /// Subscribes to every stream's publisher (`topic`: the subscription prefix). ZMQ
     /// connects in the background: a publisher not up yet is reached when it starts.
     pub fn connect(specs: &[StreamSpec], topic: &str) -> Result<ZmqSource, String> {
-        let ctx = zmq::Context::new();
-        let mut streams = Vec::new();
+        let mut source = ZmqSource { ctx: zmq::Context::new(), topic: topic.to_string(), streams: Vec::new() };
         for spec in specs {
-            let sub = ctx.socket(zmq::SUB).map_err(|e| format!("zmq socket: {e}"))?;
-            sub.set_rcvhwm(RCV_HWM).map_err(|e| format!("zmq rcvhwm: {e}"))?;
-            sub.set_maxmsgsize(MAX_MESSAGE_BYTES).map_err(|e| format!("zmq maxmsgsize: {e}"))?;
-            sub.set_linger(0).map_err(|e| format!("zmq linger: {e}"))?;
-            sub.set_subscribe(topic.as_bytes()).map_err(|e| format!("zmq subscribe: {e}"))?;
-            sub.connect(&spec.events).map_err(|e| format!("{} events {}: {e}", spec.label, spec.events))?;
-            streams.push(Stream { label: spec.label.clone(), sub, replay_endpoint: spec.replay.clone(), dealer: None });
+            source.add_stream(spec)?;
         }
-        Ok(ZmqSource { ctx, streams })
+        Ok(source)
+    }
+
+    fn subscribe(&self, spec: &StreamSpec) -> Result<zmq::Socket, String> {
+        let sub = self.ctx.socket(zmq::SUB).map_err(|e| format!("zmq socket: {e}"))?;
+        sub.set_rcvhwm(RCV_HWM).map_err(|e| format!("zmq rcvhwm: {e}"))?;
+        sub.set_maxmsgsize(MAX_MESSAGE_BYTES).map_err(|e| format!("zmq maxmsgsize: {e}"))?;
+        sub.set_linger(0).map_err(|e| format!("zmq linger: {e}"))?;
+        // IPv6 endpoints (`tcp://[fd00::5]:5557`, from DNS discovery) need it; IPv4 still works.
+        sub.set_ipv6(true).map_err(|e| format!("zmq ipv6: {e}"))?;
+        sub.set_subscribe(self.topic.as_bytes()).map_err(|e| format!("zmq subscribe: {e}"))?;
+        sub.connect(&spec.events).map_err(|e| format!("{} events {}: {e}", spec.label, spec.events))?;
+        Ok(sub)
     }
 }
 
@@ -116,6 +122,7 @@ impl Source for ZmqSource {
         };
         let sent = dealer
             .set_linger(0)
+            .and_then(|_| dealer.set_ipv6(true))
             .and_then(|_| dealer.set_maxmsgsize(MAX_MESSAGE_BYTES))
             .and_then(|_| dealer.connect(endpoint))
             .and_then(|_| dealer.send_multipart([&b""[..], &from.to_be_bytes()[..]], zmq::DONTWAIT));
@@ -131,6 +138,24 @@ impl Source for ZmqSource {
     fn end_replay(&mut self, stream: usize) {
         if let Some(s) = self.streams.get_mut(stream) {
             s.dealer = None;
+        }
+    }
+
+    fn add_stream(&mut self, spec: &StreamSpec) -> Result<(), String> {
+        let sub = self.subscribe(spec)?;
+        self.streams.push(Stream {
+            label: spec.label.clone(),
+            sub,
+            replay_endpoint: spec.replay.clone(),
+            dealer: None,
+        });
+        Ok(())
+    }
+
+    fn remove_stream(&mut self, stream: usize) {
+        // Dropping the sockets closes them (linger 0: nothing waits on a gone publisher).
+        if stream < self.streams.len() {
+            self.streams.remove(stream);
         }
     }
 }

@@ -14,6 +14,8 @@ struct Scripted {
     can_replay: bool,
     replays: Vec<(usize, u64)>,
     ended: Vec<usize>,
+    added: Vec<String>,
+    removed: Vec<usize>,
 }
 
 impl Source for Scripted {
@@ -26,6 +28,16 @@ impl Source for Scripted {
     }
     fn end_replay(&mut self, stream: usize) {
         self.ended.push(stream);
+    }
+    fn add_stream(&mut self, spec: &StreamSpec) -> Result<(), String> {
+        if spec.events.contains("refused") {
+            return Err("refused".into());
+        }
+        self.added.push(spec.label.clone());
+        Ok(())
+    }
+    fn remove_stream(&mut self, stream: usize) {
+        self.removed.push(stream);
     }
 }
 
@@ -144,4 +156,59 @@ fn a_failed_replay_connection_ends_the_replay() {
     i.turn(Duration::ZERO);
     assert_eq!(i.source.ended, vec![0]);
     assert_eq!(stats(&i).2, 1);
+}
+
+fn worker_config(id: &str, events: &str, dp_ranks: u32) -> WorkerConfig {
+    crate::config::worker(
+        "w",
+        crate::config::FileWorker {
+            id: id.into(),
+            events: events.into(),
+            dp_ranks: Some(dp_ranks),
+            ..Default::default()
+        },
+    )
+    .unwrap()
+}
+
+#[test]
+fn a_new_worker_list_subscribes_joiners_and_closes_leavers() {
+    let mut i = ingest(false);
+    let kept = lock(&i.fleet).workers[1].config.clone(); // 2 ranks: streams 1 and 2
+    let joiner = worker_config("127.0.0.1:8103", "tcp://127.0.0.1:5577", 1);
+    i.set_workers(&[kept.clone(), joiner.clone()]);
+    // Worker 0's stream (0) closed, the joiner's subscribed after the others.
+    assert_eq!(i.source.removed, vec![0]);
+    assert_eq!(i.source.added, vec!["127.0.0.1:8103 rank 0"]);
+    assert_eq!(i.streams.iter().map(|s| (s.worker, s.rank)).collect::<Vec<_>>(), [(1, 0), (1, 1), (2, 0)]);
+    // Arrivals reach the right worker through the renumbered streams.
+    let mut stored = empty_batch();
+    // [ts, [["BlockStored", [7], nil, [0..16], 16]], 0]
+    stored.truncate(stored.len() - 2);
+    stored.extend_from_slice(&[0x91, 0x95, 0xab]);
+    stored.extend_from_slice(b"BlockStored");
+    stored.extend_from_slice(&[0x91, 0x07, 0xc0, 0xdc, 0x00, 0x10]);
+    stored.extend(0u8..16);
+    stored.extend_from_slice(&[0x10, 0x00]);
+    i.source.polls.push_back(vec![(2, Arrival::Live(0, stored))]);
+    i.turn(Duration::ZERO);
+    {
+        let f = lock(&i.fleet);
+        let ids: Vec<(&str, usize)> = f.workers.iter().map(|w| (w.config.id.as_str(), w.cache.block_count())).collect();
+        assert_eq!(ids, [("127.0.0.1:8102", 0), ("127.0.0.1:8103", 1)]);
+    }
+    // The same list again changes nothing; a changed endpoint is a leave and a join.
+    i.set_workers(&[kept.clone(), joiner.clone()]);
+    assert_eq!((i.source.removed.len(), i.source.added.len()), (1, 1));
+    let moved = worker_config("127.0.0.1:8103", "tcp://127.0.0.1:5580", 1);
+    i.set_workers(&[kept.clone(), moved]);
+    assert_eq!(i.source.removed, vec![0, 2]);
+    assert_eq!(lock(&i.fleet).workers.iter().map(|w| w.key).collect::<Vec<_>>(), [1, 3]);
+    // A worker the transport refuses is left out whole, and counted.
+    let refused = worker_config("127.0.0.1:8104", "ipc:///refused", 2);
+    i.set_workers(&[kept, refused]);
+    let f = lock(&i.fleet);
+    assert_eq!(f.workers.len(), 1);
+    assert_eq!(f.stats.workers_refused, 1);
+    assert_eq!(i.streams.len(), 2);
 }

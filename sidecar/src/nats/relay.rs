@@ -1,0 +1,327 @@
+//! `kvroute-sidecar relay`: runs beside an engine, reads its ZMQ KV events, and publishes
+//! each batch, in order and complete, to the JetStream stream the gateways' sidecars read.
+//!
+//! It sequences the engine's stream as a sidecar does ([`Sequencer`] over the same
+//! [`ZmqSource`]), so a gap is repaired from the engine's replay socket before anything is
+//! published; what it publishes is therefore the engine's batches in order, each once. On
+//! start it reads the last batch the stream holds for each DP rank and continues after it
+//! (the engine replays what the relay missed while it was down); a batch published twice
+//! across a restart is dropped by JetStream's deduplication ([`super::msg_id`]).
+//!
+//! A gap the engine cannot replay, or an engine restart, is passed on as it is: every
+//! sidecar sees the same jump and clears the worker's rank the same way.
+
+use super::{connect, ensure_stream, msg_id, seq_of, subject, NatsKeys, NatsSettings, SEQ_HEADER};
+use crate::config::{parse_worker_flag, worker, WorkerConfig};
+use crate::fleet::ResetReason;
+use crate::ingest::{worker_streams, Arrival, Source, StreamSpec, POLL_INTERVAL};
+use crate::sequence::{Count, Sequencer, Sink};
+use crate::zmq_source::ZmqSource;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::mpsc;
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct RelayArgs {
+    /// The engine, as the sidecar's `--worker` takes it:
+    /// `ID=EVENTS[,replay=ENDPOINT][,role=…][,dp=N]`. Repeatable (one relay per host is
+    /// enough for all its engines).
+    #[arg(long = "worker", required = true)]
+    pub workers: Vec<String>,
+    /// ZMQ subscription prefix (the engines' kv-events `topic`).
+    #[arg(long, default_value = "")]
+    pub topic: String,
+    #[arg(long)]
+    pub nats_url: Option<String>,
+    #[arg(long)]
+    pub nats_stream: Option<String>,
+    #[arg(long)]
+    pub nats_subject_prefix: Option<String>,
+    /// Limits the stream is created with, if this relay creates it (sidecar/README.md).
+    #[arg(long)]
+    pub nats_max_age_s: Option<u64>,
+    #[arg(long)]
+    pub nats_max_bytes: Option<i64>,
+    #[arg(long)]
+    pub nats_max_msgs_per_subject: Option<i64>,
+    #[arg(long)]
+    pub nats_duplicate_window_s: Option<u64>,
+    #[arg(long)]
+    pub nats_replicas: Option<usize>,
+    #[arg(long, default_value_t = 2000)]
+    pub replay_timeout_ms: u64,
+    #[arg(long, default_value_t = 100_000)]
+    pub max_pending_batches: usize,
+}
+
+impl RelayArgs {
+    fn settings(&self) -> Result<NatsSettings, String> {
+        NatsKeys {
+            url: self.nats_url.clone(),
+            stream: self.nats_stream.clone(),
+            subject_prefix: self.nats_subject_prefix.clone(),
+            max_age_s: self.nats_max_age_s,
+            max_bytes: self.nats_max_bytes,
+            max_msgs_per_subject: self.nats_max_msgs_per_subject,
+            duplicate_window_s: self.nats_duplicate_window_s,
+            replicas: self.nats_replicas,
+        }
+        .settings()
+    }
+
+    fn workers(&self) -> Result<Vec<WorkerConfig>, String> {
+        let mut out: Vec<WorkerConfig> = Vec::new();
+        for (i, spec) in self.workers.iter().enumerate() {
+            let w = worker(&format!("--worker #{}", i + 1), parse_worker_flag(spec)?)?;
+            if out.iter().any(|o| o.id == w.id) {
+                return Err(format!("--worker: id `{}` appears twice", w.id));
+            }
+            out.push(w);
+        }
+        Ok(out)
+    }
+}
+
+/// What the relay has done, for its periodic log line and its exit.
+#[derive(Default)]
+struct Counters {
+    published: AtomicU64,
+    duplicates: AtomicU64,
+    failed: AtomicU64,
+    gaps: AtomicU64,
+    replays_ok: AtomicU64,
+    replays_failed: AtomicU64,
+    frames_bad: AtomicU64,
+}
+
+/// Runs the relay until SIGTERM/SIGINT; the process's exit status.
+pub fn main(args: RelayArgs) -> i32 {
+    match run(args) {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("kvroute-sidecar relay: {e}");
+            2
+        }
+    }
+}
+
+/// One batch on its way to JetStream.
+struct Outgoing {
+    subject: String,
+    id: String,
+    seq: u64,
+    payload: Vec<u8>,
+}
+
+fn run(args: RelayArgs) -> Result<(), String> {
+    let settings = args.settings()?;
+    let workers = args.workers()?;
+    let specs: Vec<StreamSpec> = workers.iter().enumerate().flat_map(|(k, w)| worker_streams(k as u32, w)).collect();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .thread_name("nats")
+        .enable_all()
+        .build()
+        .map_err(|e| format!("tokio runtime: {e}"))?;
+    let (js, last) = rt.block_on(async {
+        let (_client, js) = connect(&settings).await?;
+        let stream = ensure_stream(&js, &settings).await?;
+        let mut last = Vec::new();
+        for spec in &specs {
+            let subj = subject(&settings.subject_prefix, &spec.worker_id, spec.rank as u32);
+            // Not found (a new worker, or history past the stream's limits): start fresh.
+            let seq = stream.get_last_raw_message_by_subject(&subj).await.ok().and_then(|m| seq_of(Some(&m.headers)));
+            last.push((subj, seq));
+        }
+        Ok::<_, String>((js, last))
+    })?;
+
+    let counters = Arc::new(Counters::default());
+    let (tx, rx) = mpsc::channel::<Outgoing>(4096);
+    let publisher = rt.spawn(publish(js, rx, counters.clone()));
+    let stop = Arc::new(AtomicBool::new(false));
+    {
+        let stop = stop.clone();
+        rt.spawn(async move {
+            kvroute_serve::shutdown_signal().await;
+            stop.store(true, Ordering::Relaxed);
+        });
+    }
+
+    let mut source = ZmqSource::connect(&specs, &args.topic)?;
+    let replay_timeout = Duration::from_millis(args.replay_timeout_ms.max(1));
+    let mut streams: Vec<(Sequencer, String)> = specs
+        .iter()
+        .zip(&last)
+        .map(|(spec, (subj, seq))| {
+            let mut q = Sequencer::new(spec.label.clone(), args.max_pending_batches.max(1), replay_timeout);
+            match seq {
+                Some(s) => {
+                    log::info!("{}: {subj} holds up to batch {s}; continuing after it", spec.label);
+                    q.resume_after(*s);
+                }
+                None => log::info!("{}: {subj} holds nothing yet", spec.label),
+            }
+            (q, subj.clone())
+        })
+        .collect();
+    // Catch up now: what the engine sent while no relay ran (or before this one started).
+    for (i, (seq, subj)) in streams.iter_mut().enumerate() {
+        let mut sink =
+            RelaySink { tx: &tx, subject: subj, spec: &specs[i], stream: i, source: &mut source, counters: &counters };
+        seq.replay_now(Instant::now(), &mut sink);
+    }
+    log::info!("relaying {} streams to NATS stream {} at {}", specs.len(), settings.stream, settings.url);
+
+    let mut reported = Instant::now();
+    while !stop.load(Ordering::Relaxed) {
+        for (i, arrival) in source.poll(POLL_INTERVAL) {
+            let Some((seq, subj)) = streams.get_mut(i) else { continue };
+            let spec = &specs[i];
+            let mut sink =
+                RelaySink { tx: &tx, subject: subj, spec, stream: i, source: &mut source, counters: &counters };
+            let now = Instant::now();
+            match arrival {
+                Arrival::Live(s, payload) => seq.live(s, payload, now, &mut sink),
+                Arrival::Replay(reply) => seq.replay_reply(reply, now, &mut sink),
+                Arrival::ReplayFailed => seq.replay_failed(now, &mut sink),
+                Arrival::Malformed(what) => {
+                    counters.frames_bad.fetch_add(1, Ordering::Relaxed);
+                    if seq.should_log() {
+                        log::warn!("{}: dropped a {what} (problem #{})", seq.label(), seq.problems());
+                    }
+                }
+            }
+        }
+        let now = Instant::now();
+        for (i, (seq, subj)) in streams.iter_mut().enumerate() {
+            let mut sink = RelaySink {
+                tx: &tx,
+                subject: subj,
+                spec: &specs[i],
+                stream: i,
+                source: &mut source,
+                counters: &counters,
+            };
+            seq.tick(now, &mut sink);
+        }
+        if reported.elapsed() >= Duration::from_secs(10) {
+            reported = Instant::now();
+            log::info!("{}", counters.line());
+        }
+    }
+    // Everything taken from the engine is published before the process ends.
+    drop(tx);
+    let _ = rt.block_on(publisher);
+    log::info!("stopped: {}", counters.line());
+    Ok(())
+}
+
+impl Counters {
+    fn line(&self) -> String {
+        let g = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        format!(
+            "published {} (duplicates dropped by the stream {}, failed {}), gaps {}, replays ok {} failed {}, bad frames {}",
+            g(&self.published),
+            g(&self.duplicates),
+            g(&self.failed),
+            g(&self.gaps),
+            g(&self.replays_ok),
+            g(&self.replays_failed),
+            g(&self.frames_bad)
+        )
+    }
+}
+
+/// Publishes in arrival order, many in flight; acknowledgements are awaited in order by a
+/// second task, so a slow ack never holds up the next publish.
+async fn publish(js: async_nats::jetstream::Context, mut rx: mpsc::Receiver<Outgoing>, counters: Arc<Counters>) {
+    let (ack_tx, mut ack_rx) = mpsc::channel::<(u64, async_nats::jetstream::context::PublishAckFuture)>(1024);
+    let acks = {
+        let counters = counters.clone();
+        tokio::spawn(async move {
+            while let Some((seq, ack)) = ack_rx.recv().await {
+                match ack.await {
+                    Ok(a) if a.duplicate => _ = counters.duplicates.fetch_add(1, Ordering::Relaxed),
+                    Ok(_) => _ = counters.published.fetch_add(1, Ordering::Relaxed),
+                    Err(e) => failed(&counters, seq, &e.to_string()),
+                }
+            }
+        })
+    };
+    while let Some(m) = rx.recv().await {
+        let msg = async_nats::jetstream::message::PublishMessage::build()
+            .payload(m.payload.into())
+            .message_id(&m.id)
+            .header(SEQ_HEADER, m.seq.to_string().as_str());
+        match js.send_publish(m.subject, msg).await {
+            Ok(ack) => {
+                if ack_tx.send((m.seq, ack)).await.is_err() {
+                    break;
+                }
+            }
+            Err(e) => failed(&counters, m.seq, &e.to_string()),
+        }
+    }
+    drop(ack_tx);
+    let _ = acks.await;
+}
+
+/// A batch JetStream did not take: the sidecars will see its gap and clear that rank.
+fn failed(counters: &Counters, seq: u64, e: &str) {
+    let n = counters.failed.fetch_add(1, Ordering::Relaxed) + 1;
+    if n.is_power_of_two() {
+        log::error!("batch {seq} not published: {e}; readers will clear at the gap (#{n})");
+    }
+}
+
+/// A stream's [`Sink`] in the relay: applying a batch is publishing it.
+struct RelaySink<'a> {
+    tx: &'a mpsc::Sender<Outgoing>,
+    subject: &'a str,
+    spec: &'a StreamSpec,
+    stream: usize,
+    source: &'a mut ZmqSource,
+    counters: &'a Counters,
+}
+
+impl Sink for RelaySink<'_> {
+    fn apply(&mut self, seq: u64, payload: &[u8]) -> Result<(), String> {
+        let m = Outgoing {
+            subject: self.subject.to_string(),
+            id: msg_id(&self.spec.worker_id, self.spec.rank as u32, seq, payload),
+            seq,
+            payload: payload.to_vec(),
+        };
+        // Blocks while 4096 are queued: the engine's publisher then buffers (and past its
+        // high-water mark drops, which the next batch shows as a gap, replayed).
+        if self.tx.blocking_send(m).is_err() {
+            log::error!("{}: the publisher task has ended", self.spec.label);
+        }
+        Ok(())
+    }
+
+    fn reset(&mut self, reason: ResetReason) {
+        // Nothing to clear here: readers see the same jump and clear themselves.
+        log::info!("{}: passing on a {reason:?}", self.spec.label);
+    }
+
+    fn request_replay(&mut self, from: u64) -> bool {
+        self.source.request_replay(self.stream, from)
+    }
+
+    fn end_replay(&mut self) {
+        self.source.end_replay(self.stream);
+    }
+
+    fn count(&mut self, what: Count) {
+        let c = match what {
+            Count::Gap => &self.counters.gaps,
+            Count::ReplayOk => &self.counters.replays_ok,
+            Count::ReplayFailed => &self.counters.replays_failed,
+            Count::BadBatch => return, // the relay does not decode
+        };
+        c.fetch_add(1, Ordering::Relaxed);
+    }
+}

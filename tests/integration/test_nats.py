@@ -1,0 +1,232 @@
+"""The NATS JetStream event transport: engines' ZMQ events through `kvroute-sidecar relay`
+into a real nats-server (Debian's, JetStream on), read by sidecars with
+`kv_event_transport = "nats"`. Publishers speak as vLLM's do (harness.kvevents)."""
+import socket
+import time
+
+import pytest
+
+from harness import Sidecar, free_port, wait_for
+from harness.cluster import Nats, Relay
+from harness.kvevents import Publisher
+from harness.kvfeed import feed_blocks
+from test_discovery import Engine
+from test_sidecar import snapshot, tokens
+
+
+@pytest.fixture
+def closing():
+    items = []
+    yield items.append
+    for item in reversed(items):
+        (item.stop if hasattr(item, "stop") else item.close)()
+
+
+def nats_sidecar(nats, engines, **extra):
+    return Sidecar([(e.http, e.events, e.replay, "both") for e in engines],
+                   extra={"kv_event_transport": "nats", "nats_url": nats.url, "health_path": "", **extra})
+
+
+def blocks(sc, engine):
+    return snapshot(sc).get(engine.http, set())
+
+
+def test_every_sidecar_reads_the_same_index_from_the_stream(closing):
+    """Two engines, a relay each; a sidecar started before the events and one started after
+    them end with the same blocks, and a restarted sidecar rebuilds them from the stream
+    alone (the engines' replay buffers are not asked)."""
+    nats = Nats()
+    closing(nats)
+    engines = [Engine(), Engine()]
+    for e in engines:
+        closing(e.pub)
+        closing(Relay(nats.url, e.http, e.events, e.replay))
+    early = nats_sidecar(nats, engines)
+    closing(early)
+    time.sleep(0.3)  # ZMQ's slow joiner: the relays' subscriptions reach the publishers
+    prompts = [tokens(60, 8 * 16), tokens(61, 5 * 16)]
+    for e, p in zip(engines, prompts):
+        e.store(p)
+    want = {e.http: set(feed_blocks(p)) for e, p in zip(engines, prompts)}
+    wait_for(lambda: all(blocks(early, e) == want[e.http] for e in engines), what="the early sidecar's index")
+
+    late = nats_sidecar(nats, engines)
+    closing(late)
+    wait_for(lambda: all(blocks(late, e) == want[e.http] for e in engines), what="the late sidecar's index")
+    replays = sum(e.pub.replays_served for e in engines)
+
+    early.stop()
+    again = nats_sidecar(nats, engines)
+    closing(again)
+    wait_for(lambda: snapshot(again) == snapshot(late), what="the restarted sidecar to equal the other")
+    assert sum(e.pub.replays_served for e in engines) == replays, "the stream, not the engine, replayed"
+    assert nats.stream_info()["messages"] == 2
+
+
+def test_a_relay_restart_loses_nothing_and_duplicates_nothing(closing):
+    """The relay dies; the engine goes on. The restarted relay continues after the last
+    batch the stream holds, from the engine's replay socket: every batch is in the stream
+    exactly once and the sidecar's index is the engine's."""
+    nats = Nats()
+    closing(nats)
+    e = Engine()
+    closing(e.pub)
+    relay = Relay(nats.url, e.http, e.events, e.replay)
+    sc = nats_sidecar(nats, [e])
+    closing(sc)
+    time.sleep(0.3)
+    prompts = [tokens(70 + i, 2 * 16) for i in range(6)]
+    for p in prompts[:2]:
+        e.store(p)
+    wait_for(lambda: nats.stream_info()["messages"] == 2, what="two batches in the stream")
+    relay.stop(kill=True)
+    for p in prompts[2:4]:
+        e.store(p)  # nobody relays these
+    relay = Relay(nats.url, e.http, e.events, e.replay)
+    closing(relay)
+    time.sleep(0.3)
+    for p in prompts[4:]:
+        e.store(p)
+    want = set().union(*(feed_blocks(p) for p in prompts))
+    wait_for(lambda: blocks(sc, e) == want, what="every batch in the sidecar")
+    assert nats.stream_info()["messages"] == 6
+    assert "holds up to batch 1; continuing after it" in relay.logs()
+    assert e.pub.replays_served >= 1
+
+
+def test_an_engine_restart_and_a_nats_restart(closing):
+    """An engine that restarts numbers its batches from 0 again: every sidecar clears that
+    worker and takes what follows. A nats-server that restarts (store kept) loses nothing
+    the relay had published, and the relay and sidecar carry on by themselves."""
+    nats = Nats()
+    closing(nats)
+    e = Engine()
+    closing(e.pub)
+    closing(Relay(nats.url, e.http, e.events, e.replay))
+    sc = nats_sidecar(nats, [e])
+    closing(sc)
+    time.sleep(0.3)
+    first, second = tokens(80, 4 * 16), tokens(81, 3 * 16)
+    e.store(first)
+    wait_for(lambda: blocks(sc, e) == set(feed_blocks(first)), what="the first chain")
+
+    # The engine restarts: a new publisher on the same endpoints, counting from 0.
+    e.pub.close()
+    time.sleep(0.2)
+    e.pub = Publisher(e.events, e.replay)
+    closing(e.pub)
+    time.sleep(0.5)
+    e.store(second)
+    wait_for(lambda: blocks(sc, e) == set(feed_blocks(second)), what="only the restarted engine's chain")
+    assert sc.metric('kvroute_sidecar_resets_total{reason="publisher_restart"}') >= 1
+
+    # nats-server restarts with its store: the relay reconnects and publishes the next batch.
+    nats.crash()
+    nats.start()
+    third = tokens(82, 2 * 16)
+    time.sleep(0.5)
+    e.store(third)
+    want = set(feed_blocks(second)) | set(feed_blocks(third))
+    wait_for(lambda: blocks(sc, e) == want, timeout=20, what="events after the NATS restart")
+
+
+def test_bad_messages_on_a_subject_are_counted_and_dropped(closing):
+    """A message on a worker's subject that no relay wrote (no Kvroute-Seq header) is
+    counted as a bad frame; the worker's index is untouched and later batches apply."""
+    nats = Nats()
+    closing(nats)
+    e = Engine()
+    closing(e.pub)
+    closing(Relay(nats.url, e.http, e.events, e.replay))
+    sc = nats_sidecar(nats, [e])
+    closing(sc)
+    time.sleep(0.3)
+    a, b = tokens(90, 3 * 16), tokens(91, 2 * 16)
+    e.store(a)
+    wait_for(lambda: blocks(sc, e) == set(feed_blocks(a)), what="the first chain")
+    host, port = e.http.rsplit(":", 1)
+    subject = f"kvroute.events.{host.replace('.', '_')}-{port}.0"
+    with socket.create_connection(("127.0.0.1", nats.port), timeout=5) as s:
+        s.recv(4096)  # INFO
+        s.sendall(b'CONNECT {"verbose":false}\r\nPUB ' + subject.encode() + b" 7\r\ngarbage\r\nPING\r\n")
+        assert b"PONG" in s.recv(4096)
+    wait_for(lambda: sc.metric("kvroute_sidecar_frames_bad_total") == 1, what="the bad message counted")
+    e.store(b)
+    wait_for(lambda: blocks(sc, e) == set(feed_blocks(a)) | set(feed_blocks(b)), what="the next batch applied")
+
+
+def test_a_bad_nats_configuration_refuses_to_start():
+    """Settings are checked before anything connects."""
+    for extra, says in [({"kv_event_transport": "nats", "nats_url": "http://x:1"}, "nats_url"),
+                        ({"nats_stream": "S"}, "nats_*")]:
+        sc = Sidecar([("127.0.0.1:8101", f"tcp://127.0.0.1:{free_port()}", None, "both")], extra=extra, wait=False)
+        try:
+            assert sc.proc.wait(timeout=10) == 2
+            assert says in sc.logs()
+        finally:
+            sc.stop()
+
+
+@pytest.mark.parametrize("build", ["wasm"])
+def test_two_gateways_route_alike_and_survive_a_sidecar_restart(closing, build):
+    """Two Envoys, each with its own sidecar reading the same stream, in front of one fleet:
+    both send a prefix to the worker that holds it, and both keep answering while one
+    sidecar restarts (the other gateway unaffected, the restarted one re-learns the index
+    from the stream)."""
+    import base64
+    import json
+    import struct
+
+    from harness import Envoy, render_config
+    from upstream import Worker
+
+    def b64(toks):
+        return base64.b64encode(struct.pack(f"<{len(toks)}I", *toks)).decode()
+
+    nats = Nats()
+    closing(nats)
+    ups = [Worker(), Worker()]
+    engines = []
+    for w in ups:
+        closing(w)
+        e = Engine()
+        e.http = w.id
+        closing(e.pub)
+        closing(Relay(nats.url, e.http, e.events, e.replay))
+        engines.append(e)
+    gateways = []
+    for _ in range(2):
+        sc = nats_sidecar(nats, engines)
+        closing(sc)
+        cfg, lp, ap = render_config(ups, sc.port, build=build)
+        envoy = Envoy(cfg, lp, ap)
+        closing(envoy)
+        gateways.append([sc, envoy])
+
+    def route(envoy, prompt):
+        status, _, body = envoy.request(headers={"x-prompt-token-ids-b64": b64(prompt)})
+        return status, json.loads(body).get("worker") if status == 200 else None
+
+    time.sleep(0.3)
+    prefix = tokens(95, 32 * 16)
+    engines[1].store(prefix)
+    for sc, envoy in gateways:
+        wait_for(lambda: route(envoy, prefix + tokens(96, 40)) == (200, ups[1].id), what="KV-aware routing")
+
+    # Gateway 0's sidecar restarts on the same port; both gateways keep answering.
+    sc0 = gateways[0][0]
+    port = sc0.port
+    sc0.stop()
+    statuses = [route(envoy, prefix + tokens(97 + i, 40))[0] for i in range(10) for _, envoy in gateways]
+    restarted = Sidecar([(e.http, e.events, e.replay, "both") for e in engines], port=port,
+                        extra={"kv_event_transport": "nats", "nats_url": nats.url, "health_path": ""})
+    closing(restarted)
+    gateways[0][0] = restarted
+    wait_for(lambda: snapshot(restarted) == snapshot(gateways[1][0]), what="the restarted sidecar's index")
+    for i in range(10):
+        for _, envoy in gateways:
+            status, worker = route(envoy, prefix + tokens(120 + i, 40))
+            statuses.append(status)
+    assert set(statuses) == {200}
+    for _, envoy in gateways:
+        wait_for(lambda: route(envoy, prefix + tokens(140, 40)) == (200, ups[1].id), what="prefix routing again")
