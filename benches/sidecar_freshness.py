@@ -1,9 +1,14 @@
 #!/usr/bin/env python3
 """Freshness: from a publisher's send of a BlockStored to the block being visible to the
-filter in Envoy, while 16 publishers keep the sidecar busy with background events.
+filter in Envoy, while 16 publishers keep the sidecar busy with background events; per
+event transport, side by side in one run.
 
 Path measured: pyzmq PUB → kvroute-sidecar (decode, index, change log) → long-poll feed →
 Envoy's sync service (apply, write shared data) → the filter's next routing decision.
+With --transport nats, the sidecar reads a NATS JetStream stream (Debian's nats-server)
+that one `kvroute-sidecar relay` (all 16 engines, as one per host would) fills from the
+publishers: pyzmq PUB → relay → nats-server → sidecar → ... The CPU of the event path
+(sidecar; plus relay and nats-server) gives stored blocks per CPU-second.
 
 Each probe publishes one new block on one worker's stream, then sends requests carrying
 that block's tokens (back to back) until the debug header says the filter routed it to that
@@ -14,7 +19,8 @@ Background: each publisher sends batches of one BlockStored of 64 new blocks plu
 BlockRemoved of an older chain (an engine at capacity, storing and evicting), paced to
 --rate stored blocks per second in all.
 
-    python3 benches/sidecar_freshness.py [--rate 100000] [--probes 300] [--json out.json]
+    python3 benches/sidecar_freshness.py [--rate 100000] [--probes 300] [--transport zmq,nats]
+                                         [--json out.json]
 """
 import argparse
 import base64
@@ -34,6 +40,7 @@ sys.path.insert(0, str(ROOT / "benches"))
 import msgspec  # noqa: E402
 from envoy_overhead import Port, Upstream  # noqa: E402
 from harness import Envoy, Sidecar, free_port, render_config  # noqa: E402
+from harness.cluster import Nats, Relay  # noqa: E402
 from harness.kvevents import Publisher, batch, removed, stored  # noqa: E402
 
 N_WORKERS = 16
@@ -80,9 +87,21 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rate", type=int, default=100_000, help="background stored blocks per second")
     ap.add_argument("--probes", type=int, default=300)
+    ap.add_argument("--transport", default="zmq,nats", help="comma-separated, run in this order")
     ap.add_argument("--json", help="write results here")
     args = ap.parse_args()
+    results = {t: run(t, args) for t in args.transport.split(",")}
+    if "zmq" in results and "nats" in results:
+        results["nats_over_zmq_p99"] = round(results["nats"]["p99_ms"] / results["zmq"]["p99_ms"], 2)
+        results["nats_over_zmq_blocks_per_cpu_s"] = round(
+            results["nats"]["blocks_per_cpu_s"] / results["zmq"]["blocks_per_cpu_s"], 2)
+    print(json.dumps(results, indent=1))
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
 
+
+def run(transport, args):
+    print(f"== {transport}", flush=True)
     rng = random.Random(11)
     upstream = Upstream(N_WORKERS)
     workers = [Port(p) for p in upstream.ports]
@@ -91,7 +110,17 @@ def main():
         ev, rp = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
         pubs.append(Publisher(ev, rp))
         specs.append((f"127.0.0.1:{w.port}", ev, rp, "both"))
-    sidecar = Sidecar(specs, extra={"health_path": ""})
+    path = []  # the event path's processes, for their CPU
+    nats = None
+    if transport == "nats":
+        nats = Nats()
+        relay = Relay(nats.url, specs[0][0], specs[0][1], specs[0][2],
+                      extra=[a for sp in specs[1:] for a in ("--worker", f"{sp[0]}={sp[1]},replay={sp[2]}")])
+        path += [relay, nats]
+        sidecar = Sidecar(specs, extra={"health_path": "", "kv_event_transport": "nats", "nats_url": nats.url})
+    else:
+        sidecar = Sidecar(specs, extra={"health_path": ""})
+    path.insert(0, sidecar)
     cfg, lp, ap_ = render_config(workers, sidecar.port,
                                  {"debug_header": "x-kvroute-debug", "predict_on_route": False},
                                  {"poll_timeout_ms": 5000, "stale_after_ms": 15000})
@@ -104,6 +133,7 @@ def main():
     latencies = []
     try:
         m0 = sidecar.metric("kvroute_sidecar_blocks_stored_total")
+        cpu0 = [p.cpu_seconds() for p in path]
         t_bg = time.perf_counter()
         bg.start()
         time.sleep(2)  # let the background reach its rate
@@ -127,28 +157,36 @@ def main():
             latencies.append((time.perf_counter() - t0) * 1000)
             time.sleep(0.02)
         elapsed = time.perf_counter() - t_bg
-        stored_rate = (sidecar.metric("kvroute_sidecar_blocks_stored_total") - m0) / elapsed
+        applied = sidecar.metric("kvroute_sidecar_blocks_stored_total") - m0
+        cpu = [p.cpu_seconds() - c for p, c in zip(path, cpu0)]
+        stream = nats.stream_info() if nats else None
     finally:
         stop.set()
         envoy.stop()
-        sidecar.stop()
+        for p in path:
+            p.stop()
         for p in pubs:
             p.close()
         upstream.stop()
 
     q = statistics.quantiles(latencies, n=100, method="inclusive")
     result = {
+        "transport": transport,
         "background_rate_target": args.rate,
-        "background_rate_applied": round(stored_rate),
+        "background_rate_applied": round(applied / elapsed),
         "probes": len(latencies),
         "p50_ms": round(q[49], 2),
         "p90_ms": round(q[89], 2),
         "p99_ms": round(q[98], 2),
         "max_ms": round(max(latencies), 2),
+        # Stored blocks applied per CPU-second of the whole event path (each process's).
+        "cpu_s": {type(p).__name__.lower(): round(c, 2) for p, c in zip(path, cpu)},
+        "blocks_per_cpu_s": round(applied / sum(cpu)),
     }
-    print(json.dumps(result, indent=1))
-    if args.json:
-        pathlib.Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    if stream:
+        result["stream_bytes_per_stored_block"] = round(stream["bytes"] / max(1, sent[0]), 1)
+    print(json.dumps(result, indent=1), flush=True)
+    return result
 
 
 if __name__ == "__main__":

@@ -42,9 +42,16 @@ pub enum PromptForm {
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct LoadArgs {
-    /// The gateway (Envoy's listener), host:port.
+    /// The gateway (Envoy's listener), host:port; several gateway replicas comma-separated,
+    /// taken in turn per request (as a layer-4 balancer in front of them spreads new
+    /// connections).
     #[arg(long, default_value = "127.0.0.1:8000")]
     pub target: String,
+    /// With several targets: a request's gateway follows its key (the conversation in
+    /// chat and agentic, the group in shared-prefix), as a balancer with session affinity
+    /// does, instead of taking the gateways in turn.
+    #[arg(long)]
+    pub sticky: bool,
     /// How prompts are sent: token ids, text or chat messages in the body.
     #[arg(long = "send", value_enum, default_value_t = PromptForm::Tokens)]
     pub form: PromptForm,
@@ -283,7 +290,11 @@ impl Writer {
 /// How to send: the gateway, the model, which headers a client-side tokenizer writes.
 #[derive(Clone)]
 pub struct Sender {
-    pub target: String,
+    pub targets: Arc<[String]>,
+    /// Requests sent so far: the next one goes to `targets[sent % len]`.
+    pub sent: Arc<AtomicUsize>,
+    /// `targets[key % len]` instead.
+    pub sticky: bool,
     pub model: String,
     pub token_header: bool,
     pub prefix_hash_blocks: usize,
@@ -294,7 +305,8 @@ pub struct Sender {
 /// stand for the prompt if the engine does not return its own.
 pub async fn send(sender: &Sender, c: &Conversation, max_tokens: usize, key: u64) -> Sample {
     let planned = c.planned.as_slice();
-    let target = sender.target.as_str();
+    let turn = if sender.sticky { key as usize } else { sender.sent.fetch_add(1, Ordering::Relaxed) };
+    let target = sender.targets[turn % sender.targets.len()].as_str();
     let t0 = Instant::now();
     let mut s = Sample {
         key,
@@ -422,11 +434,17 @@ pub async fn run(args: LoadArgs) -> Result<Value, String> {
         None => None,
     };
     let writer = Arc::new(Writer::new(args.form, words)?);
+    let targets: Arc<[String]> = args.target.split(',').map(str::to_string).collect();
+    if targets.iter().any(|t| t.is_empty()) {
+        return Err(format!("--target `{}`: an empty gateway address", args.target));
+    }
     // The schedule's clock starts once the tokenizer is loaded and the prompts are
     // written: started before, every arrival due during that set-up (~0.5 s of text
     // rendering on this machine) went out at once, a burst no workload asked for.
     let sender = |start| Sender {
-        target: args.target.clone(),
+        targets: targets.clone(),
+        sent: Arc::new(AtomicUsize::new(0)),
+        sticky: args.sticky,
         model: args.model.clone(),
         token_header: args.token_header,
         prefix_hash_blocks: args.prefix_hash_blocks,

@@ -177,7 +177,7 @@ def test_two_gateways_route_alike_and_survive_a_sidecar_restart(closing, build):
     import json
     import struct
 
-    from harness import Envoy, render_config
+    from harness import Envoy, render_config, wait_synced
     from upstream import Worker
 
     def b64(toks):
@@ -210,6 +210,12 @@ def test_two_gateways_route_alike_and_survive_a_sidecar_restart(closing, build):
     time.sleep(0.3)
     prefix = tokens(95, 32 * 16)
     engines[1].store(prefix)
+    # Both learn it before the first request: one routed earlier would go by load, and the
+    # filter's prediction would then make that worker a holder too (as a real engine's
+    # events would confirm).
+    for sc, envoy in gateways:
+        wait_for(lambda: sc.block_count(ups[1].id) == 32, what="the prefix in each sidecar")
+        wait_synced(envoy, sc)
     for sc, envoy in gateways:
         wait_for(lambda: route(envoy, prefix + tokens(96, 40)) == (200, ups[1].id), what="KV-aware routing")
 

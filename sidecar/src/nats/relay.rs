@@ -138,7 +138,9 @@ fn run(args: RelayArgs) -> Result<(), String> {
     })?;
 
     let counters = Arc::new(Counters::default());
-    let (tx, rx) = mpsc::channel::<Outgoing>(4096);
+    // One message per turn of the loop (all it took from the engines): one wake-up of the
+    // publisher per turn, not per batch. Full (64 turns queued): the loop waits.
+    let (tx, rx) = mpsc::channel::<Vec<Outgoing>>(64);
     let publisher = rt.spawn(publish(js, rx, counters.clone()));
     let stop = Arc::new(AtomicBool::new(false));
     {
@@ -149,9 +151,9 @@ fn run(args: RelayArgs) -> Result<(), String> {
         });
     }
 
-    let mut source = ZmqSource::connect(&specs, &args.topic)?;
+    let source = ZmqSource::connect(&specs, &args.topic)?;
     let replay_timeout = Duration::from_millis(args.replay_timeout_ms.max(1));
-    let mut streams: Vec<(Sequencer, String)> = specs
+    let sequencers: Vec<(Sequencer, String)> = specs
         .iter()
         .zip(&last)
         .map(|(spec, (subj, seq))| {
@@ -166,45 +168,37 @@ fn run(args: RelayArgs) -> Result<(), String> {
             (q, subj.clone())
         })
         .collect();
+    let mut relay = Streams { sequencers, specs, source, out: Vec::new(), counters: counters.clone() };
     // Catch up now: what the engine sent while no relay ran (or before this one started).
-    for (i, (seq, subj)) in streams.iter_mut().enumerate() {
-        let mut sink =
-            RelaySink { tx: &tx, subject: subj, spec: &specs[i], stream: i, source: &mut source, counters: &counters };
-        seq.replay_now(Instant::now(), &mut sink);
+    for i in 0..relay.specs.len() {
+        relay.with(i, |q, sink| q.replay_now(Instant::now(), sink));
     }
-    log::info!("relaying {} streams to NATS stream {} at {}", specs.len(), settings.stream, settings.url);
+    log::info!("relaying {} streams to NATS stream {} at {}", relay.specs.len(), settings.stream, settings.url);
 
     let mut reported = Instant::now();
     while !stop.load(Ordering::Relaxed) {
-        for (i, arrival) in source.poll(POLL_INTERVAL) {
-            let Some((seq, subj)) = streams.get_mut(i) else { continue };
-            let spec = &specs[i];
-            let mut sink =
-                RelaySink { tx: &tx, subject: subj, spec, stream: i, source: &mut source, counters: &counters };
+        for (i, arrival) in relay.source.poll(POLL_INTERVAL) {
             let now = Instant::now();
-            match arrival {
-                Arrival::Live(s, payload) => seq.live(s, payload, now, &mut sink),
-                Arrival::Replay(reply) => seq.replay_reply(reply, now, &mut sink),
-                Arrival::ReplayFailed => seq.replay_failed(now, &mut sink),
+            relay.with(i, |q, sink| match arrival {
+                Arrival::Live(s, payload) => q.live(s, payload, now, sink),
+                Arrival::Replay(reply) => q.replay_reply(reply, now, sink),
+                Arrival::ReplayFailed => q.replay_failed(now, sink),
                 Arrival::Malformed(what) => {
-                    counters.frames_bad.fetch_add(1, Ordering::Relaxed);
-                    if seq.should_log() {
-                        log::warn!("{}: dropped a {what} (problem #{})", seq.label(), seq.problems());
+                    sink.counters.frames_bad.fetch_add(1, Ordering::Relaxed);
+                    if q.should_log() {
+                        log::warn!("{}: dropped a {what} (problem #{})", q.label(), q.problems());
                     }
                 }
-            }
+            });
         }
         let now = Instant::now();
-        for (i, (seq, subj)) in streams.iter_mut().enumerate() {
-            let mut sink = RelaySink {
-                tx: &tx,
-                subject: subj,
-                spec: &specs[i],
-                stream: i,
-                source: &mut source,
-                counters: &counters,
-            };
-            seq.tick(now, &mut sink);
+        for i in 0..relay.specs.len() {
+            relay.with(i, |q, sink| q.tick(now, sink));
+        }
+        // Blocks while the publisher is 64 turns behind: the engines' publishers then
+        // buffer (past their high-water mark they drop: a gap, replayed).
+        if !relay.out.is_empty() && tx.blocking_send(std::mem::take(&mut relay.out)).is_err() {
+            return Err("the publisher task has ended".into());
         }
         if reported.elapsed() >= Duration::from_secs(10) {
             reported = Instant::now();
@@ -236,32 +230,37 @@ impl Counters {
 
 /// Publishes in arrival order, many in flight; acknowledgements are awaited in order by a
 /// second task, so a slow ack never holds up the next publish.
-async fn publish(js: async_nats::jetstream::Context, mut rx: mpsc::Receiver<Outgoing>, counters: Arc<Counters>) {
-    let (ack_tx, mut ack_rx) = mpsc::channel::<(u64, async_nats::jetstream::context::PublishAckFuture)>(1024);
+async fn publish(js: async_nats::jetstream::Context, mut rx: mpsc::Receiver<Vec<Outgoing>>, counters: Arc<Counters>) {
+    type Ack = (u64, async_nats::jetstream::context::PublishAckFuture);
+    let (ack_tx, mut ack_rx) = mpsc::channel::<Vec<Ack>>(64);
     let acks = {
         let counters = counters.clone();
         tokio::spawn(async move {
-            while let Some((seq, ack)) = ack_rx.recv().await {
-                match ack.await {
-                    Ok(a) if a.duplicate => _ = counters.duplicates.fetch_add(1, Ordering::Relaxed),
-                    Ok(_) => _ = counters.published.fetch_add(1, Ordering::Relaxed),
-                    Err(e) => failed(&counters, seq, &e.to_string()),
+            while let Some(turn) = ack_rx.recv().await {
+                for (seq, ack) in turn {
+                    match ack.await {
+                        Ok(a) if a.duplicate => _ = counters.duplicates.fetch_add(1, Ordering::Relaxed),
+                        Ok(_) => _ = counters.published.fetch_add(1, Ordering::Relaxed),
+                        Err(e) => failed(&counters, seq, &e.to_string()),
+                    }
                 }
             }
         })
     };
-    while let Some(m) = rx.recv().await {
-        let msg = async_nats::jetstream::message::PublishMessage::build()
-            .payload(m.payload.into())
-            .message_id(&m.id)
-            .header(SEQ_HEADER, m.seq.to_string().as_str());
-        match js.send_publish(m.subject, msg).await {
-            Ok(ack) => {
-                if ack_tx.send((m.seq, ack)).await.is_err() {
-                    break;
-                }
+    while let Some(turn) = rx.recv().await {
+        let mut pending = Vec::with_capacity(turn.len());
+        for m in turn {
+            let msg = async_nats::jetstream::message::PublishMessage::build()
+                .payload(m.payload.into())
+                .message_id(&m.id)
+                .header(SEQ_HEADER, m.seq.to_string().as_str());
+            match js.send_publish(m.subject, msg).await {
+                Ok(ack) => pending.push((m.seq, ack)),
+                Err(e) => failed(&counters, m.seq, &e.to_string()),
             }
-            Err(e) => failed(&counters, m.seq, &e.to_string()),
+        }
+        if ack_tx.send(pending).await.is_err() {
+            break;
         }
     }
     drop(ack_tx);
@@ -276,9 +275,36 @@ fn failed(counters: &Counters, seq: u64, e: &str) {
     }
 }
 
+/// The relay's streams: their sequencers (each with its subject), the ZMQ source, and the
+/// turn's batches on their way to the publisher.
+struct Streams {
+    sequencers: Vec<(Sequencer, String)>,
+    specs: Vec<StreamSpec>,
+    source: ZmqSource,
+    out: Vec<Outgoing>,
+    counters: Arc<Counters>,
+}
+
+impl Streams {
+    /// Runs `f` on stream `i`'s sequencer with its sink (nothing if there is no such stream).
+    fn with(&mut self, i: usize, f: impl FnOnce(&mut Sequencer, &mut RelaySink<'_>)) {
+        let Some((q, subject)) = self.sequencers.get_mut(i) else { return };
+        let mut sink = RelaySink {
+            out: &mut self.out,
+            subject,
+            spec: &self.specs[i],
+            stream: i,
+            source: &mut self.source,
+            counters: &self.counters,
+        };
+        f(q, &mut sink);
+    }
+}
+
 /// A stream's [`Sink`] in the relay: applying a batch is publishing it.
 struct RelaySink<'a> {
-    tx: &'a mpsc::Sender<Outgoing>,
+    /// This turn's batches, published together after it.
+    out: &'a mut Vec<Outgoing>,
     subject: &'a str,
     spec: &'a StreamSpec,
     stream: usize,
@@ -288,17 +314,12 @@ struct RelaySink<'a> {
 
 impl Sink for RelaySink<'_> {
     fn apply(&mut self, seq: u64, payload: &[u8]) -> Result<(), String> {
-        let m = Outgoing {
+        self.out.push(Outgoing {
             subject: self.subject.to_string(),
             id: msg_id(&self.spec.worker_id, self.spec.rank as u32, seq, payload),
             seq,
             payload: payload.to_vec(),
-        };
-        // Blocks while 4096 are queued: the engine's publisher then buffers (and past its
-        // high-water mark drops, which the next batch shows as a gap, replayed).
-        if self.tx.blocking_send(m).is_err() {
-            log::error!("{}: the publisher task has ended", self.spec.label);
-        }
+        });
         Ok(())
     }
 
