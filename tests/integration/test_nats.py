@@ -236,3 +236,29 @@ def test_two_gateways_route_alike_and_survive_a_sidecar_restart(closing, build):
     assert set(statuses) == {200}
     for _, envoy in gateways:
         wait_for(lambda: route(envoy, prefix + tokens(140, 40)) == (200, ups[1].id), what="prefix routing again")
+
+
+def test_batches_the_stream_did_not_store_are_reported(closing):
+    """With the stream deleted under a running relay, what it publishes is not stored:
+    JetStream's acknowledgement fails and the relay says so (logged and counted), instead
+    of going on silently."""
+    nats = Nats()
+    closing(nats)
+    e = Engine()
+    closing(e.pub)
+    relay = Relay(nats.url, e.http, e.events, e.replay)
+    closing(relay)
+    time.sleep(0.3)
+    e.store(tokens(93, 2 * 16))
+    wait_for(lambda: nats.stream_info()["messages"] == 1, what="the first batch")
+    with socket.create_connection(("127.0.0.1", nats.port), timeout=5) as s:
+        s.recv(4096)  # INFO
+        s.sendall(b'CONNECT {"verbose":false}\r\nSUB _INBOX.t 1\r\n'
+                  b"PUB $JS.API.STREAM.DELETE.KVROUTE_EVENTS _INBOX.t 0\r\n\r\n")
+        reply = b""
+        while b'"success":true' not in reply:
+            chunk = s.recv(4096)
+            assert chunk, reply
+            reply += chunk
+    e.store(tokens(94, 2 * 16))
+    wait_for(lambda: "not stored" in relay.logs(), timeout=10, what="the relay to report the lost batch")

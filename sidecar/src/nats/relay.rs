@@ -271,7 +271,7 @@ async fn publish(js: async_nats::jetstream::Context, mut rx: mpsc::Receiver<Vec<
 fn failed(counters: &Counters, seq: u64, e: &str) {
     let n = counters.failed.fetch_add(1, Ordering::Relaxed) + 1;
     if n.is_power_of_two() {
-        log::error!("batch {seq} not published: {e}; readers will clear at the gap (#{n})");
+        log::error!("batch {seq} not stored: {e}; readers will clear at the gap (#{n})");
     }
 }
 
