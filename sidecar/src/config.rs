@@ -295,14 +295,7 @@ fn transport(file: &FileConfig, cli: &Cli) -> Result<Transport, String> {
         duplicate_window_s: file.nats_duplicate_window_s,
         replicas: file.nats_replicas,
     };
-    let nats_set = keys.url.is_some()
-        || keys.stream.is_some()
-        || keys.subject_prefix.is_some()
-        || keys.max_age_s.is_some()
-        || keys.max_bytes.is_some()
-        || keys.max_msgs_per_subject.is_some()
-        || keys.duplicate_window_s.is_some()
-        || keys.replicas.is_some();
+    let nats_set = keys != crate::nats::NatsKeys::default();
     match name.as_str() {
         "zmq" if nats_set => Err("nats_*: set, but kv_event_transport is `zmq` (use `nats`)".into()),
         "zmq" => Ok(Transport::Zmq),

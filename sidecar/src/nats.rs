@@ -42,7 +42,7 @@ pub const DEFAULT_STREAM: &str = "KVROUTE_EVENTS";
 pub const DEFAULT_SUBJECT_PREFIX: &str = "kvroute.events";
 
 /// The settings as a file or flags give them; `None` takes the default.
-#[derive(Debug, Default, Clone)]
+#[derive(Debug, Default, Clone, PartialEq)]
 pub struct NatsKeys {
     pub url: Option<String>,
     pub stream: Option<String>,
@@ -148,6 +148,25 @@ pub async fn connect(settings: &NatsSettings) -> Result<(async_nats::Client, jet
         .map_err(|e| format!("nats {}: {e}", settings.url))?;
     let js = jetstream::new(client.clone());
     Ok((client, js))
+}
+
+/// A runtime for the NATS client (one thread beside the caller's, which stays synchronous),
+/// connected, with the stream made sure of: what the relay and the sidecar's source share.
+pub fn open(
+    settings: &NatsSettings,
+) -> Result<(tokio::runtime::Runtime, jetstream::Context, jetstream::stream::Stream), String> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .thread_name("nats")
+        .enable_all()
+        .build()
+        .map_err(|e| format!("tokio runtime: {e}"))?;
+    let (js, stream) = rt.block_on(async {
+        let (_client, js) = connect(settings).await?;
+        let stream = ensure_stream(&js, settings).await?;
+        Ok::<_, String>((js, stream))
+    })?;
+    Ok((rt, js, stream))
 }
 
 /// The stream, created with `settings` if it does not exist.

@@ -52,6 +52,15 @@ def _closed_port():
     return free_port()
 
 
+@pytest.fixture
+def closing():
+    """Registers what a test starts; stopped (or closed) in reverse order at its end."""
+    items = []
+    yield items.append
+    for item in reversed(items):
+        (item.stop if hasattr(item, "stop") else item.close)()
+
+
 @pytest.fixture(params=sorted(BUILDS))
 def build(request):
     """Every test that runs kvroute in a real Envoy runs once per build: the wasm filter and

@@ -5,8 +5,6 @@ import json
 import socket
 import time
 
-import pytest
-
 from harness import Sidecar, free_port, wait_for
 from harness.cluster import Etcd, Registrar
 from harness.kvevents import Publisher, batch, chain_events
@@ -28,12 +26,16 @@ class Engine:
         self.pub.flush()
 
 
-@pytest.fixture
-def closing():
-    items = []
-    yield items.append
-    for item in reversed(items):
-        (item.stop if hasattr(item, "stop") else item.close)()
+def engines_behind(ups, closing):
+    """An Engine publishing for each upstream worker (its id is the worker's)."""
+    engines = []
+    for w in ups:
+        closing(w)
+        e = Engine()
+        e.http = w.id
+        closing(e.pub)
+        engines.append(e)
+    return engines
 
 
 def workers(sc):
@@ -167,25 +169,14 @@ def test_dns_names_resolve_to_workers(closing):
 def test_envoy_follows_the_fleet_through_endpoint_discovery(closing, build):
     """Envoy's `workers` cluster from the sidecar (envoy/workers-eds.yaml): a registered
     worker gets requests, KV-aware, and one that leaves gets none."""
-    import base64
-    import struct
-
     from harness import Envoy, render_config
+    from test_filter import b64
     from upstream import Worker
-
-    def b64(toks):
-        return base64.b64encode(struct.pack(f"<{len(toks)}I", *toks)).decode()
 
     etcd = Etcd()
     closing(etcd)
     ups = [Worker(), Worker()]
-    engines = []
-    for w in ups:
-        closing(w)
-        e = Engine()
-        e.http = w.id
-        closing(e.pub)
-        engines.append(e)
+    engines = engines_behind(ups, closing)
     sc = Sidecar([], extra={"discovery_backend": "etcd", "etcd_endpoints": [etcd.url]})
     closing(sc)
     cfg, lp, ap = render_config([], sc.port, {"debug_header": "x-kvroute-debug"}, build=build, eds=True)

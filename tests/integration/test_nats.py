@@ -10,16 +10,8 @@ from harness import Sidecar, free_port, wait_for
 from harness.cluster import Nats, Relay
 from harness.kvevents import Publisher
 from harness.kvfeed import feed_blocks
-from test_discovery import Engine
+from test_discovery import Engine, engines_behind
 from test_sidecar import snapshot, tokens
-
-
-@pytest.fixture
-def closing():
-    items = []
-    yield items.append
-    for item in reversed(items):
-        (item.stop if hasattr(item, "stop") else item.close)()
 
 
 def nats_sidecar(nats, engines, **extra):
@@ -29,6 +21,23 @@ def nats_sidecar(nats, engines, **extra):
 
 def blocks(sc, engine):
     return snapshot(sc).get(engine.http, set())
+
+
+def one_engine(closing, sidecar=True):
+    """nats-server, one engine with its relay and (sidecar) a sidecar reading the stream,
+    the relay's subscription settled: (nats, engine, relay, sidecar or None)."""
+    nats = Nats()
+    closing(nats)
+    e = Engine()
+    closing(e.pub)
+    relay = Relay(nats.url, e.http, e.events, e.replay)
+    closing(relay)
+    sc = None
+    if sidecar:
+        sc = nats_sidecar(nats, [e])
+        closing(sc)
+    time.sleep(0.3)  # ZMQ's slow joiner
+    return nats, e, relay, sc
 
 
 def test_every_sidecar_reads_the_same_index_from_the_stream(closing):
@@ -98,14 +107,7 @@ def test_an_engine_restart_and_a_nats_restart(closing):
     """An engine that restarts numbers its batches from 0 again: every sidecar clears that
     worker and takes what follows. A nats-server that restarts (store kept) loses nothing
     the relay had published, and the relay and sidecar carry on by themselves."""
-    nats = Nats()
-    closing(nats)
-    e = Engine()
-    closing(e.pub)
-    closing(Relay(nats.url, e.http, e.events, e.replay))
-    sc = nats_sidecar(nats, [e])
-    closing(sc)
-    time.sleep(0.3)
+    nats, e, _, sc = one_engine(closing)
     first, second = tokens(80, 4 * 16), tokens(81, 3 * 16)
     e.store(first)
     wait_for(lambda: blocks(sc, e) == set(feed_blocks(first)), what="the first chain")
@@ -133,14 +135,7 @@ def test_an_engine_restart_and_a_nats_restart(closing):
 def test_bad_messages_on_a_subject_are_counted_and_dropped(closing):
     """A message on a worker's subject that no relay wrote (no Kvroute-Seq header) is
     counted as a bad frame; the worker's index is untouched and later batches apply."""
-    nats = Nats()
-    closing(nats)
-    e = Engine()
-    closing(e.pub)
-    closing(Relay(nats.url, e.http, e.events, e.replay))
-    sc = nats_sidecar(nats, [e])
-    closing(sc)
-    time.sleep(0.3)
+    nats, e, _, sc = one_engine(closing)
     a, b = tokens(90, 3 * 16), tokens(91, 2 * 16)
     e.store(a)
     wait_for(lambda: blocks(sc, e) == set(feed_blocks(a)), what="the first chain")
@@ -173,27 +168,18 @@ def test_two_gateways_route_alike_and_survive_a_sidecar_restart(closing, build):
     both send a prefix to the worker that holds it, and both keep answering while one
     sidecar restarts (the other gateway unaffected, the restarted one re-learns the index
     from the stream)."""
-    import base64
     import json
-    import struct
 
     from harness import Envoy, render_config, wait_synced
+    from test_filter import b64
     from upstream import Worker
-
-    def b64(toks):
-        return base64.b64encode(struct.pack(f"<{len(toks)}I", *toks)).decode()
 
     nats = Nats()
     closing(nats)
     ups = [Worker(), Worker()]
-    engines = []
-    for w in ups:
-        closing(w)
-        e = Engine()
-        e.http = w.id
-        closing(e.pub)
+    engines = engines_behind(ups, closing)
+    for e in engines:
         closing(Relay(nats.url, e.http, e.events, e.replay))
-        engines.append(e)
     gateways = []
     for _ in range(2):
         sc = nats_sidecar(nats, engines)
@@ -242,13 +228,7 @@ def test_batches_the_stream_did_not_store_are_reported(closing):
     """With the stream deleted under a running relay, what it publishes is not stored:
     JetStream's acknowledgement fails and the relay says so (logged and counted), instead
     of going on silently."""
-    nats = Nats()
-    closing(nats)
-    e = Engine()
-    closing(e.pub)
-    relay = Relay(nats.url, e.http, e.events, e.replay)
-    closing(relay)
-    time.sleep(0.3)
+    nats, e, relay, _ = one_engine(closing, sidecar=False)
     e.store(tokens(93, 2 * 16))
     wait_for(lambda: nats.stream_info()["messages"] == 1, what="the first batch")
     with socket.create_connection(("127.0.0.1", nats.port), timeout=5) as s:

@@ -11,7 +11,7 @@
 //! A gap the engine cannot replay, or an engine restart, is passed on as it is: every
 //! sidecar sees the same jump and clears the worker's rank the same way.
 
-use super::{connect, ensure_stream, msg_id, seq_of, subject, NatsKeys, NatsSettings, SEQ_HEADER};
+use super::{msg_id, seq_of, subject, NatsKeys, NatsSettings, SEQ_HEADER};
 use crate::config::{parse_worker_flag, worker, WorkerConfig};
 use crate::fleet::ResetReason;
 use crate::ingest::{worker_streams, Arrival, Source, StreamSpec, POLL_INTERVAL};
@@ -118,15 +118,8 @@ fn run(args: RelayArgs) -> Result<(), String> {
     let settings = args.settings()?;
     let workers = args.workers()?;
     let specs: Vec<StreamSpec> = workers.iter().enumerate().flat_map(|(k, w)| worker_streams(k as u32, w)).collect();
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .thread_name("nats")
-        .enable_all()
-        .build()
-        .map_err(|e| format!("tokio runtime: {e}"))?;
-    let (js, last) = rt.block_on(async {
-        let (_client, js) = connect(&settings).await?;
-        let stream = ensure_stream(&js, &settings).await?;
+    let (rt, js, stream) = super::open(&settings)?;
+    let last: Vec<(String, Option<u64>)> = rt.block_on(async {
         let mut last = Vec::new();
         for spec in &specs {
             let subj = subject(&settings.subject_prefix, &spec.worker_id, spec.rank as u32);
@@ -134,8 +127,8 @@ fn run(args: RelayArgs) -> Result<(), String> {
             let seq = stream.get_last_raw_message_by_subject(&subj).await.ok().and_then(|m| seq_of(Some(&m.headers)));
             last.push((subj, seq));
         }
-        Ok::<_, String>((js, last))
-    })?;
+        last
+    });
 
     let counters = Arc::new(Counters::default());
     // One message per turn of the loop (all it took from the engines): one wake-up of the

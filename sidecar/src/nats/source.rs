@@ -7,7 +7,7 @@
 //! sees is one every reader sees; `request_replay` answers no, the sequencer clears the
 //! worker's rank and rebuilds, and every sidecar does the same: they stay equal.
 
-use super::{connect, ensure_stream, seq_of, subject, NatsSettings};
+use super::{seq_of, subject, NatsSettings};
 use crate::ingest::{Arrival, Source, StreamSpec};
 use async_nats::jetstream::consumer::{pull, DeliverPolicy};
 use std::collections::HashMap;
@@ -36,16 +36,7 @@ pub struct NatsSource {
 impl NatsSource {
     /// Connects, makes sure the stream exists, and starts a consumer per stream.
     pub fn connect(settings: &NatsSettings, specs: &[StreamSpec]) -> Result<NatsSource, String> {
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .thread_name("nats")
-            .enable_all()
-            .build()
-            .map_err(|e| format!("tokio runtime: {e}"))?;
-        let stream = rt.block_on(async {
-            let (_client, js) = connect(settings).await?;
-            ensure_stream(&js, settings).await
-        })?;
+        let (rt, _js, stream) = super::open(settings)?;
         let (tx, rx) = mpsc::channel(CHANNEL);
         let mut source = NatsSource {
             rt,
