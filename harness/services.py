@@ -115,9 +115,10 @@ class Tokenizer(Service):
 class MockEngine(Service):
     """A kvroute-fleet mock engine (vLLM's API, prefix cache and KV events).
     events/replay: ZMQ endpoints to publish on (None: no events); tokenizer: a tokenizer
-    directory (text prompts and chats tokenized as vLLM does), None: token ids only."""
+    directory (text prompts and chats tokenized as vLLM does), None: token ids only;
+    buffer_steps: batches kept for replay (vLLM's kv-events-config key; default 10000)."""
 
-    def __init__(self, events=None, replay=None, args=(), port=None, topic=None, tokenizer=None):
+    def __init__(self, events=None, replay=None, args=(), port=None, topic=None, tokenizer=None, buffer_steps=None):
         if not FLEET.exists():
             raise RuntimeError(f"{FLEET} missing: build it with `cargo build --release -p kvroute-fleet`")
         self.port = port or free_port()
@@ -132,6 +133,8 @@ class MockEngine(Service):
                 cfg["replay_endpoint"] = replay
             if topic is not None:
                 cfg["topic"] = topic
+            if buffer_steps is not None:
+                cfg["buffer_steps"] = buffer_steps
             cmd += ["--kv-events-config", json.dumps(cfg)]
         self._workdir("engine")
         self._spawn(cmd)

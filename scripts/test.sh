@@ -2,18 +2,19 @@
 # The whole test suite, from a fresh machine: installs what it needs, then runs
 #   1. formatting and lints,
 #   2. the routing core's unit tests, natively and compiled to wasm32 (node runs them),
-#      and the sidecar's unit tests,
+#      the other crates' tests, and the fuzz corpus replayed through every decoder's
+#      invariants (kvroute-invariants),
 #   3. the release builds: kvroute.wasm, the native module (libkvroute_native.so), the
 #      sidecar (libzmq is vendored: no system package needed), the fleet and the stage,
 #   4. integration tests: the filter in a real Envoy, each test once per build (wasm and
 #      native); the sidecar against publishers using
 #      the engines' own encoder (msgspec) and ZMQ binding (pyzmq), and vLLM's and SGLang's
 #      own KV-event code from their wheels; the simulated fleet's mock engines; all of them
-#      together end to end.
+#      together end to end; a short fault-injection soak (benches/soak.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-step() { printf '\n==> %s\n' "$*"; }
+step() { printf '\n==> [%s] %s\n' "$(date +%T)" "$*"; }
 
 step "installing test dependencies"
 # The pinned compiler and the wasm32 target from rust-toolchain.toml. `rustup toolchain
@@ -47,13 +48,14 @@ cargo fmt --all -- --check
 cargo clippy --quiet --workspace --all-targets -- -D warnings
 cargo clippy --quiet --target wasm32-unknown-unknown --lib -- -D warnings  # the core and the glue
 
-step "core, native-module, sidecar, fleet and tokenizer-stage tests (native)"
+step "core, native-module, sidecar, fleet, tokenizer-stage and decoder-invariant tests (native)"
 cargo test --quiet -p kvroute --lib
 cargo test --quiet -p kvroute-native
 cargo test --quiet -p kvroute-serve
 cargo test --quiet -p kvroute-sidecar
 cargo test --quiet -p kvroute-fleet
 cargo test --quiet -p kvroute-tokenizer  # with the golden token ids (tests/vectors/tokenizer)
+cargo test --quiet -p kvroute-invariants  # every fuzz target's corpus and crash cases, replayed (fuzz/README.md)
 
 step "core unit tests (wasm32, in node)"
 CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUNNER=wasm-bindgen-test-runner \
@@ -64,4 +66,5 @@ cargo build --quiet --target wasm32-unknown-unknown --release
 cargo build --quiet --release -p kvroute-native -p kvroute-sidecar -p kvroute-fleet -p kvroute-tokenizer
 
 step "integration tests (real Envoy, real ZMQ publishers)"
-python3 -m pytest tests/integration -q -p no:cacheprovider
+python3 -m pytest tests/integration -q -p no:cacheprovider --durations=15
+step "done"

@@ -181,6 +181,13 @@ impl KvCache {
         self.blocks.len()
     }
 
+    /// The id (as KV events name it) of every cached block, sorted.
+    pub fn block_ids(&self) -> Vec<u64> {
+        let mut ids: Vec<u64> = self.blocks.keys().copied().collect();
+        ids.sort_unstable();
+        ids
+    }
+
     /// The events since the last call.
     pub fn take_events(&mut self) -> Vec<KvEvent> {
         std::mem::take(&mut self.events)

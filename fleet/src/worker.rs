@@ -266,6 +266,14 @@ async fn handle(shared: Arc<Shared>, req: HttpRequest<Incoming>) -> Result<Resp,
             .to_string(),
         ),
         (Method::GET, "/metrics") => full(StatusCode::OK, "text/plain; version=0.0.4", metrics(&shared)),
+        // The mock's own: its whole prefix cache, for checking an index against it.
+        (Method::GET, "/v1/kv/blocks") => {
+            let (block_size, blocks) = {
+                let e = shared.engine();
+                (e.cache.block_size(), e.cache.block_ids())
+            };
+            full(StatusCode::OK, "application/json", json!({"block_size": block_size, "blocks": blocks}).to_string())
+        }
         (Method::POST, "/reset_prefix_cache") => {
             let events = {
                 let mut e = shared.engine();
@@ -283,6 +291,7 @@ async fn handle(shared: Arc<Shared>, req: HttpRequest<Incoming>) -> Result<Resp,
             "/health"
             | "/v1/models"
             | "/metrics"
+            | "/v1/kv/blocks"
             | "/reset_prefix_cache"
             | "/v1/completions"
             | "/v1/chat/completions"

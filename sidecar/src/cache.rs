@@ -450,6 +450,17 @@ impl WorkerCache {
         self.blocks.is_empty()
     }
 
+    /// The engine hash of every engine block each DP rank holds, sorted: what the engine's
+    /// own cache should list (the admin API's `/v1/admin/engine-blocks/`).
+    pub fn engine_blocks(&self) -> Vec<Vec<u64>> {
+        let per_rank = |r: &Rank| {
+            let mut v: Vec<u64> = r.engine.iter().filter(|(_, e)| e.span > 0).map(|(h, _)| h).collect();
+            v.sort_unstable();
+            v
+        };
+        self.ranks.iter().map(per_rank).collect()
+    }
+
     /// Heap bytes held by the tables.
     pub fn heap_bytes(&self) -> usize {
         self.ranks.iter().map(|r| r.engine.heap_bytes() + r.extra_offloaded.heap_bytes()).sum::<usize>()

@@ -20,7 +20,8 @@
 //!
 //! No allocation follows a header's word: every reservation goes through
 //! [`kvroute::wire::capacity_for`], so a length prefix can only reserve what the bytes
-//! after it could hold.
+//! after it could hold. Events per batch and blocks and tokens per event are also capped
+//! ([`MAX_EVENTS_PER_BATCH`], …): a batch over a cap is an error marked `over_cap`.
 
 use crate::msgpack::{Kind, MsgpackError, Reader};
 use kvroute::wire::{capacity_for, VLLM_BLOCK_REMOVED_FIELDS, VLLM_BLOCK_STORED_FIELDS};
@@ -160,23 +161,43 @@ pub struct Batch {
     pub tail: BatchTail,
 }
 
+/// Most events one batch may carry. vLLM publishes a batch per engine step: thousands of
+/// events at most.
+pub const MAX_EVENTS_PER_BATCH: usize = 1 << 16;
+/// Most blocks one event may name: 2M tokens of blocks of 16, beyond any context length.
+pub const MAX_BLOCKS_PER_EVENT: usize = 1 << 17;
+/// Most token ids one event may carry.
+pub const MAX_TOKENS_PER_EVENT: usize = 1 << 22;
+
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct DecodeError(pub String);
+pub struct DecodeError {
+    pub message: String,
+    /// The batch is well-formed as far as read, but over one of the caps above.
+    pub over_cap: bool,
+}
 
 impl std::fmt::Display for DecodeError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
+        f.write_str(&self.message)
     }
 }
 
 impl From<MsgpackError> for DecodeError {
     fn from(e: MsgpackError) -> Self {
-        DecodeError(format!("msgpack: {e}"))
+        DecodeError { message: format!("msgpack: {e}"), over_cap: false }
     }
 }
 
 fn bad<T>(what: &str) -> Result<T, DecodeError> {
-    Err(DecodeError(what.to_string()))
+    Err(DecodeError { message: what.to_string(), over_cap: false })
+}
+
+/// A length over its cap: an error before anything of that length is read.
+fn capped(n: usize, cap: usize, what: &str) -> Result<usize, DecodeError> {
+    if n > cap {
+        return Err(DecodeError { message: format!("{n} {what}, more than the cap of {cap}"), over_cap: true });
+    }
+    Ok(n)
 }
 
 /// Decodes one whole event-batch payload.
@@ -249,7 +270,7 @@ impl<'a> BatchReader<'a> {
             }
             _ => return bad("batch is neither an array nor a map"),
         };
-        let left = r.array_len()?;
+        let left = capped(r.array_len()?, MAX_EVENTS_PER_BATCH, "events in the batch")?;
         Ok(BatchReader { r, left, after, ts, dp_rank, unknown: 0, first_unknown: None })
     }
 
@@ -487,7 +508,7 @@ fn opt_hash(r: &mut Reader) -> Result<Option<u64>, DecodeError> {
 }
 
 fn hash_list(r: &mut Reader) -> Result<Vec<u64>, DecodeError> {
-    let n = r.array_len()?;
+    let n = capped(r.array_len()?, MAX_BLOCKS_PER_EVENT, "block hashes in an event")?;
     let mut out = Vec::with_capacity(capacity_for::<u64>(n, r.remaining(), 1));
     for _ in 0..n {
         out.push(hash(r)?);
@@ -496,7 +517,7 @@ fn hash_list(r: &mut Reader) -> Result<Vec<u64>, DecodeError> {
 }
 
 fn token_list(r: &mut Reader) -> Result<Vec<u32>, DecodeError> {
-    let n = r.array_len()?;
+    let n = capped(r.array_len()?, MAX_TOKENS_PER_EVENT, "token ids in an event")?;
     let mut out = Vec::with_capacity(capacity_for::<u32>(n, r.remaining(), 1));
     for _ in 0..n {
         out.push(token(r)?);
@@ -505,7 +526,7 @@ fn token_list(r: &mut Reader) -> Result<Vec<u32>, DecodeError> {
 }
 
 fn token(r: &mut Reader) -> Result<u32, DecodeError> {
-    let not_a_token = |_| DecodeError("token id is not a u32".into());
+    let not_a_token = |_| DecodeError { message: "token id is not a u32".into(), over_cap: false };
     if let Some(t) = r.u32_if_int().map_err(not_a_token)? {
         return Ok(t);
     }
@@ -592,6 +613,30 @@ mod tests {
             Event::Stored(s) => s,
             e => panic!("{e:?}"),
         }
+    }
+
+    #[test]
+    fn counts_over_a_cap_are_refused_before_reading_on() {
+        // [0.0, array32 of MAX_EVENTS_PER_BATCH + 1 nils]: the bytes are there (a shorter
+        // array is refused as truncated first), the count is over the cap.
+        let events = |n: usize| {
+            let mut p = vec![0x92, 0x00, 0xdd];
+            p.extend_from_slice(&(n as u32).to_be_bytes());
+            p.resize(p.len() + n, 0xc0);
+            p
+        };
+        let e = decode_batch(&events(MAX_EVENTS_PER_BATCH + 1)).unwrap_err();
+        assert!(e.over_cap && e.message.contains("events in the batch"), "{e:?}");
+        // At the cap the batch is read (and refused for what its events are).
+        assert!(!decode_batch(&events(MAX_EVENTS_PER_BATCH)).unwrap_err().over_cap);
+        // [0.0, [["BlockRemoved", array32 of MAX_BLOCKS_PER_EVENT + 1 hashes]]]
+        let mut p = vec![0x92, 0x00, 0x91, 0x92, 0xac];
+        p.extend_from_slice(b"BlockRemoved");
+        p.push(0xdd);
+        p.extend_from_slice(&(MAX_BLOCKS_PER_EVENT as u32 + 1).to_be_bytes());
+        p.resize(p.len() + MAX_BLOCKS_PER_EVENT + 1, 0x07);
+        let e = decode_batch(&p).unwrap_err();
+        assert!(e.over_cap && e.message.contains("block hashes"), "{e:?}");
     }
 
     #[test]

@@ -57,6 +57,8 @@ pub struct Stats {
     pub batches: u64,
     /// Payloads that did not decode.
     pub batches_bad: u64,
+    /// Of them, batches over a cap (`crate::events::MAX_EVENTS_PER_BATCH`, …).
+    pub batches_over_cap: u64,
     /// ZMQ messages that were not `[topic, seq(8), payload]`.
     pub frames_bad: u64,
     /// Stores of a KV-cache group whose kind this sidecar does not know (not indexed).
@@ -227,13 +229,15 @@ impl Fleet {
         now_unix: f64,
     ) -> Result<(), DecodeError> {
         let Some(w) = self.position(key) else { return Ok(()) };
-        let tail = self.apply_events(w, |f, changes, changed| {
-            let mut reader = BatchReader::new(payload)?;
-            while let Some(ev) = reader.next_event()? {
-                *changed |= f.apply_event(w, rank, &ev, changes);
-            }
-            reader.finish()
-        })?;
+        let tail = self
+            .apply_events(w, |f, changes, changed| {
+                let mut reader = BatchReader::new(payload)?;
+                while let Some(ev) = reader.next_event()? {
+                    *changed |= f.apply_event(w, rank, &ev, changes);
+                }
+                reader.finish()
+            })
+            .inspect_err(|e| self.stats.batches_over_cap += u64::from(e.over_cap))?;
         self.batch_done(w, rank, seq, &tail, now, now_unix);
         Ok(())
     }
@@ -519,6 +523,13 @@ impl Fleet {
         Some(format!("{{\"worker_id\":{id},\"block_count\":{}}}", w.cache.block_count()))
     }
 
+    /// Every engine block hash the worker holds, per DP rank: to compare the index with an
+    /// engine's own cache (the soak does). Operators only: large, never routed by Envoy.
+    pub fn engine_blocks(&self, id: &str) -> Option<serde_json::Value> {
+        let w = self.workers.iter().find(|w| w.config.id == id)?;
+        Some(serde_json::json!({"worker_id": w.config.id, "engine_blocks": w.cache.engine_blocks()}))
+    }
+
     pub fn workers_json(&self, now: Instant) -> serde_json::Value {
         let workers: Vec<serde_json::Value> = self
             .workers
@@ -703,6 +714,14 @@ mod tests {
         p[2] = 0x91;
         f.apply_payload(1, 0, 0, &p, now, 0.0).unwrap();
         assert_eq!((f.workers[1].cache.block_count(), f.stats.batches), (1, 1));
+        assert_eq!(f.stats.batches_over_cap, 0);
+        // A batch over a cap is refused the same way, and counted as such.
+        let n = crate::events::MAX_EVENTS_PER_BATCH + 1;
+        let mut over = vec![0x92, 0x00, 0xdd];
+        over.extend_from_slice(&(n as u32).to_be_bytes());
+        over.resize(over.len() + n, 0xc0);
+        assert!(f.apply_payload(1, 0, 1, &over, now, 0.0).unwrap_err().over_cap);
+        assert_eq!(f.stats.batches_over_cap, 1);
     }
 
     #[test]

@@ -27,12 +27,17 @@ pub fn render(f: &Fleet, now: Instant, started: Instant) -> String {
             );
         }
     }
-    let counters: [(&str, &str, u64); 17] = [
+    let counters: [(&str, &str, u64); 18] = [
         ("kvroute_sidecar_batches_total", "Event batches decoded and applied.", s.batches),
         (
             "kvroute_sidecar_batches_bad_total",
             "Batches whose payload did not decode (the stream was cleared).",
             s.batches_bad,
+        ),
+        (
+            "kvroute_sidecar_batches_over_cap_total",
+            "Of the bad batches, those over a cap: events per batch, blocks or tokens per event.",
+            s.batches_over_cap,
         ),
         (
             "kvroute_sidecar_frames_bad_total",

@@ -31,6 +31,10 @@ fn json(status: StatusCode, v: &serde_json::Value) -> Resp {
     respond(status, "application/json", v.to_string())
 }
 
+fn unknown_worker(id: &str) -> Resp {
+    json(StatusCode::NOT_FOUND, &serde_json::json!({"error": "unknown worker", "worker_id": id}))
+}
+
 fn error(status: StatusCode, msg: &str) -> Resp {
     json(status, &serde_json::json!({ "error": msg }))
 }
@@ -49,7 +53,13 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Result<Resp, std::
         let id = percent_decode(id);
         match app.fleet().cache_view(&id) {
             Some(v) => respond(StatusCode::OK, "application/json", v),
-            None => json(StatusCode::NOT_FOUND, &serde_json::json!({"error": "unknown worker", "worker_id": id})),
+            None => unknown_worker(&id),
+        }
+    } else if let Some(id) = path.strip_prefix("/v1/admin/engine-blocks/") {
+        let id = percent_decode(id);
+        match app.fleet().engine_blocks(&id) {
+            Some(v) => json(StatusCode::OK, &v),
+            None => unknown_worker(&id),
         }
     } else if path == "/v1/admin/workers" {
         json(StatusCode::OK, &app.fleet().workers_json(Instant::now()))

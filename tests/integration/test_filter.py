@@ -467,6 +467,11 @@ def test_admin_route_reaches_the_sidecar_through_envoy(setup):
     assert json.loads(body) == {"worker_id": s.workers[0].id, "block_count": 10}
     status, _, body = s.envoy.request("/v1/admin/cache-view/10.9.9.9:1", method="GET", body=None)
     assert status == 404 and "error" in json.loads(body)
+    # Only that view, and only GET: Envoy answers the rest of /v1/admin/ itself.
+    for method, path in [("GET", "/v1/admin/workers"), ("GET", f"/v1/admin/engine-blocks/{s.workers[0].id}"),
+                         ("POST", f"/v1/admin/cache-view/{s.workers[0].id}")]:
+        status, _, body = s.envoy.request(path, method=method, body=None if method == "GET" else b"{}")
+        assert status == 404 and "through the gateway" in json.loads(body)["error"], (method, path, body)
     # Admin requests are not routed by the filter.
     assert all(len(w.requests) == 0 for w in s.workers)
 
