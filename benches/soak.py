@@ -25,10 +25,10 @@ Invariants (results["violations"] lists every breach; the test suite's short run
   - after the faults stop and the load settles, each worker's indexed engine blocks (the
     sidecar's /v1/admin/engine-blocks/) against the engine's own cache (the mock's
     /v1/kv/blocks): the index never holds a block the engine does not ("phantom"), and
-    lacks none it holds ("missing") -- unless the sidecar last restarted after that
-    engine had published more batches than its replay buffer keeps (--buffer-steps,
-    vLLM's 10000): blocks stored before the buffer's start cannot be learned again over
-    ZMQ until the engine stores them anew (reported as history_lost; NATS keeps them);
+    lacks none it holds ("missing"). The sidecar keeps a checkpoint (state_file, every
+    second): a restarted one resumes each engine's stream where the checkpoint left it,
+    even after the engine has published more batches than its replay buffer keeps
+    (--buffer-steps, vLLM's 10000), where ZMQ alone could not relearn the older blocks;
   - memory: with --churn-blocks N, a synthetic engine then stores and evicts N distinct
     blocks (a bounded live set) through the sidecar into Envoy; RSS of both is sampled
     and must stay flat (last quarter's peak within 25% of the second quarter's; the
@@ -211,10 +211,6 @@ class Engine:
         self.buffer_steps = buffer_steps
         self.port, self.ev, self.rp = free_port(), free_port(), free_port()
         self.dead = []  # [start, end] (end None while dead)
-        # A sidecar restarted after this engine published more batches than its replay
-        # buffer keeps: blocks stored before the buffer's start cannot be learned again
-        # (until the engine stores them anew), so the index may lack them.
-        self.history_lost = False
         self._start()
         self.tap = EventTap(self.ev, rng)
         self.id = self.proc.id
@@ -222,7 +218,6 @@ class Engine:
     def _start(self):
         self.proc = self.procs.add(MockEngine(events=f"tcp://*:{self.ev}", replay=f"tcp://*:{self.rp}",
                                               port=self.port, args=self.args, buffer_steps=self.buffer_steps))
-        self.history_lost = False
 
     @property
     def spec(self):
@@ -247,9 +242,8 @@ class Engine:
     def was_dead(self, t0, t1):
         return any(s - DEAD_SLACK_S <= t1 and (e is None or e + DEAD_SLACK_S >= t0) for s, e in self.dead)
 
-    def sidecar_restarted(self):
-        if self.tap.last_seq >= self.buffer_steps:
-            self.history_lost = True
+    def outgrew_replay_buffer(self):
+        return self.tap.last_seq >= self.buffer_steps
 
     def blocks(self):
         with urllib.request.urlopen(f"http://{self.id}/v1/kv/blocks", timeout=10) as r:
@@ -281,8 +275,7 @@ class Churn:
         start = time.perf_counter()
         while self.sent_blocks < n_blocks:
             due = start + self.sent_blocks / rate
-            if due > time.perf_counter():
-                time.sleep(due - time.perf_counter())
+            time.sleep(max(0.0, due - time.perf_counter()))
             hashes = [(1 << 62) | (j << 8) | i for i in range(self.CHAIN)]
             toks = [(j * 7 + k) % 150_000 for k in range(self.CHAIN * BLOCK)]
             toks[0] = j % 1_000_000  # distinct chains, so distinct router hashes
@@ -408,6 +401,7 @@ def run(args):
     engines, tails, churn = [], [], None
     sidecar = envoy = load = monitor = gate = None
     faults = {k: 0 for k in KINDS}
+    restarts_past_buffer = 0
     fault_log = []
     memory = {"envoy": [], "sidecar": []}
     results = {"seed": args.seed, "build": args.build, "engines": args.engines}
@@ -418,7 +412,8 @@ def run(args):
             churn = Churn(procs)
         specs = [e.spec for e in engines] + ([churn.spec] if churn else [])
         sidecar_port = free_port()
-        sidecar_extra = {"silent_after_ms": 1000, "health_interval_ms": 200, "log_max_blocks": args.log_max_blocks}
+        sidecar_extra = {"silent_after_ms": 1000, "health_interval_ms": 200, "log_max_blocks": args.log_max_blocks,
+                         "state_file": str(log_path.parent / "sidecar.state"), "checkpoint_interval_ms": 1000}
         sidecar = procs.add(Sidecar(specs, port=sidecar_port, extra=sidecar_extra))
         gate = FeedGate(sidecar_port)
         upstreams = [e.proc for e in engines] + ([churn.http] if churn else [])
@@ -466,8 +461,8 @@ def run(args):
                 procs.stop(sidecar)
                 time.sleep(rng.uniform(0.3, 1.5))
                 sidecar = procs.add(Sidecar(specs, port=sidecar_port, extra=sidecar_extra))
-                for e in engines:
-                    e.sidecar_restarted()
+                # Restarts that only the checkpoint makes exact (ZMQ's replay cannot).
+                restarts_past_buffer += sum(e.outgrew_replay_buffer() for e in engines)
             elif kind == "feed_stall":
                 gate.stall(rng.uniform(2, 5))
             elif kind == "unhealthy":
@@ -494,12 +489,11 @@ def run(args):
                 status, view = sidecar.json(f"/v1/admin/engine-blocks/{e.id}")
                 indexed = set().union(*map(set, view["engine_blocks"])) if status == 200 else set()
                 held = e.blocks()
-                out[e.id] = {"missing": len(held - indexed), "phantom": len(indexed - held),
-                             "history_lost": e.history_lost}
+                out[e.id] = {"missing": len(held - indexed), "phantom": len(indexed - held)}
             return out
 
         def settled(m):
-            return all(v["phantom"] == 0 and (v["missing"] == 0 or v["history_lost"]) for v in m.values())
+            return all(v == {"missing": 0, "phantom": 0} for v in m.values())
 
         while True:
             mismatches = compare()
@@ -509,6 +503,12 @@ def run(args):
         results["converged_after_s"] = round(now() - t_faults_end - args.settle - 1.0, 2)
         results["engine_blocks"] = {e.id: len(e.blocks()) for e in engines}
         results["mismatched_blocks"] = mismatches
+        # What the last sidecar saw of gaps, replays, resets and restores (since its start).
+        results["sidecar_counters"] = {
+            k.removeprefix("kvroute_sidecar_"): v for k, v in sidecar.metrics().items()
+            if any(w in k for w in ("gaps", "replays", "resets", "duplicate", "restore", "checkpoint"))}
+        if not settled(mismatches):
+            results["sidecar_log_tail"] = sidecar.logs()[-6000:]
 
         if churn:
             marks = []
@@ -589,7 +589,7 @@ def run(args):
     for wid, m in results["mismatched_blocks"].items():
         if m["phantom"]:
             violations.append(f"{wid}: the index holds {m['phantom']} blocks the engine does not")
-        if m["missing"] and not m["history_lost"]:
+        if m["missing"]:
             violations.append(f"{wid}: the index lacks {m['missing']} of the engine's blocks")
 
     if churn:
@@ -607,6 +607,7 @@ def run(args):
         "seconds": round(t_faults_end - t_start, 1),
         "faults": faults,
         "faults_total": sum(faults.values()),
+        "sidecar_restarts_past_replay_buffer": restarts_past_buffer,
         "zmq_messages": {k: sum(e.tap.counts[k] for e in engines) for k in ("forwarded", "dropped", "reordered")},
         "requests": len(records),
         "requests_ok": sum(1 for r in records if isinstance(r[3], int) and r[3] < 500),

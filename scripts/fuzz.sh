@@ -37,7 +37,9 @@ for t in "${targets[@]}"; do
   (cd fuzz && cargo fuzz run --debug-assertions "$t" "../$corpus" -- \
      -max_total_time="$seconds" "${parallel[@]}" -print_final_stats=1 \
      -timeout=10 -rss_limit_mb=2048 -max_len=65536) >"target/fuzz-logs/$t.log" 2>&1 || echo "$t: CRASH (see target/fuzz-logs/$t.log)"
-  grep -E "^#[0-9]+ +DONE|stat::number_of_executed_units|stat::peak_rss|ERROR|panicked" "target/fuzz-logs/$t.log" | tail -4
+  # (A target that failed to build matches nothing: the run goes on to the next.)
+  grep -E "^#[0-9]+ +DONE|stat::number_of_executed_units|stat::peak_rss|ERROR|panicked|^error" \
+    "target/fuzz-logs/$t.log" | tail -4 || true
 done
 # The figures docs/reliability.md records, one row per target run above.
 python3 - "${targets[@]}" <<'PY'

@@ -190,7 +190,17 @@ impl WorkerTable {
             let role = Role::from_u8(r.u8("slot role")?).ok_or(LayoutError("slot role"))?;
             let len = usize::from(r.u8("id length")?);
             let id = std::str::from_utf8(r.take(len, "id")?).map_err(|_| LayoutError("id utf-8"))?;
+            if id.is_empty() {
+                return Err(LayoutError("empty worker id"));
+            }
             slots.push(WorkerSlot { id: id.to_string(), role, state });
+        }
+        // The sync service gives a worker one slot for the process's life (a returning
+        // worker gets its old one back); a table naming one twice was not written by it,
+        // and routing on it could name a worker twice in the ranked list.
+        let mut ids = std::collections::HashSet::with_capacity(slots.len());
+        if !slots.iter().all(|s| ids.insert(s.id.as_str())) {
+            return Err(LayoutError("worker listed twice"));
         }
         Ok(WorkerTable { index_live, block_size, n_buckets, epoch, version, slots })
     }
@@ -667,13 +677,21 @@ mod tests {
             ],
         };
         let bytes = t.encode();
-        assert_eq!(WorkerTable::decode(&bytes), Ok(t));
+        assert_eq!(WorkerTable::decode(&bytes), Ok(t.clone()));
         for cut in 0..bytes.len() {
             assert!(WorkerTable::decode(&bytes[..cut]).is_err(), "cut {cut}");
         }
         let mut bad = bytes.clone();
         bad[0] = 9;
         assert!(WorkerTable::decode(&bad).is_err());
+        // A worker named twice, or by nothing, is no table the sync service writes.
+        for ids in [["10.0.0.1:8000", "10.0.0.1:8000"], ["10.0.0.1:8000", ""]] {
+            let mut t2 = t.clone();
+            for (slot, id) in t2.slots.iter_mut().zip(ids) {
+                slot.id = id.into();
+            }
+            assert!(WorkerTable::decode(&t2.encode()).is_err(), "{ids:?}");
+        }
     }
 
     #[test]

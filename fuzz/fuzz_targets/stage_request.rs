@@ -1,2 +1,4 @@
 #![no_main]
-libfuzzer_sys::fuzz_target!(|data: &[u8]| kvroute_invariants::stage_request::check(data));
+libfuzzer_sys::fuzz_target!(init: kvroute_invariants::stage_request::init(), |data: &[u8]| {
+    kvroute_invariants::stage_request::check(data)
+});

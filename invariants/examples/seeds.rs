@@ -1,8 +1,9 @@
 //! Writes the seed corpus of every target but `kv_events` (whose seeds come from the
-//! engines' own encoders: `fuzz/seeds.py`) into `fuzz/corpus/<target>/`, one file per
-//! input named by its content's hash. Seeds are what the real encoders produce: the
-//! sidecar's frames, the sync service's table and buckets, a routed request's in-flight
-//! entries, the shipped configurations, the golden tokenizer requests.
+//! engines' own encoders: `fuzz/seeds.py`; run it first, the checkpoint seeds apply them)
+//! into `fuzz/corpus/<target>/`, one file per input named by its content's hash. Seeds
+//! are what the real encoders produce: the sidecar's frames, the sync service's table and
+//! buckets, a routed request's in-flight entries, the shipped configurations, the golden
+//! tokenizer requests, the sidecar's checkpoints.
 //!
 //! `cargo run -p kvroute-invariants --example seeds`
 
@@ -146,6 +147,54 @@ fn main() {
         let sel = u8::from(case["endpoint"].as_str() != Some("completions"));
         put("stage_request", Some(sel), serde_json::to_string(&case["request"]).expect("json").as_bytes());
     }
+    // checkpoint: the fleet's checkpoint (as a body, which the check seals) before any
+    // event, and after the engines' own kv_events seeds and chains of engine blocks were
+    // applied across its ranks.
+    let body = |file: Vec<u8>| file[8..file.len() - 8].to_vec();
+    let mut fleet = kvroute_invariants::checkpoint::fleet(1);
+    put("checkpoint", None, &body(fleet.checkpoint()));
+    // Chains of engine blocks the size of the router's and twice it, on GPU and offloaded.
+    use kvroute_sidecar::events::{Batch, BatchTail, BlockStored, Event, Medium};
+    let chain = |first: u64, parent: Option<u64>, n: u64, block_size: u32, medium: Medium| {
+        let tokens = (0..n as u32 * block_size).map(|t| t + first as u32 * 1000).collect();
+        let hashes: Vec<u64> = (first..first + n).collect();
+        Event::Stored(BlockStored { medium, ..BlockStored::on_gpu(&hashes, parent, tokens, block_size) })
+    };
+    let mut events: Vec<_> = std::fs::read_dir(corpus.join("kv_events")).expect("kv_events seeds").flatten().collect();
+    events.sort_by_key(|e| e.file_name());
+    let now = std::time::Instant::now();
+    for (seq, entry) in events.iter().enumerate() {
+        let data = std::fs::read(entry.path()).expect("seed");
+        let (worker, rank) = [(0, 0), (1, 0), (1, 1)][seq % 3];
+        // (The selector byte first; a payload that does not decode just leaves its rank as is.)
+        let _ = fleet.apply_payload(worker, rank, seq as u64, &data[1..], now, 0.0);
+    }
+    let tail = BatchTail { ts: 0.0, dp_rank: None, unknown: 0, first_unknown: None };
+    let batch = |events| Batch { events, tail: tail.clone() };
+    fleet.apply_batch(
+        0,
+        0,
+        0,
+        &batch(vec![chain(1, None, 4, 16, Medium::Gpu), chain(5, Some(4), 2, 32, Medium::Gpu)]),
+        now,
+        0.0,
+    );
+    fleet.apply_batch(
+        1,
+        1,
+        0,
+        &batch(vec![chain(1, None, 3, 16, Medium::Gpu), chain(1, None, 3, 16, Medium::Offloaded)]),
+        now,
+        0.0,
+    );
+    // Then a batch with no events on every rank (`[1.5, [], 0]`), so each has a resume point.
+    let mut empty = vec![0x93, 0xcb];
+    empty.extend_from_slice(&1.5f64.to_be_bytes());
+    empty.extend_from_slice(&[0x90, 0x00]);
+    for (worker, rank) in [(0, 0), (1, 0), (1, 1)] {
+        fleet.apply_payload(worker, rank, events.len() as u64, &empty, now, 0.0).expect("an empty batch");
+    }
+    put("checkpoint", None, &body(fleet.checkpoint()));
     println!("{n} seeds written under {}", corpus.display());
 }
 

@@ -8,6 +8,7 @@
 //! ordinary test on stable, so CI never needs fuzzing time. `fuzz/README.md` says how to
 //! add a target.
 
+pub mod checkpoint;
 pub mod feed_frame;
 pub mod filter_configs;
 pub mod kv_events;
@@ -28,6 +29,7 @@ pub const TARGETS: &[(&str, Check)] = &[
     ("filter_configs", filter_configs::check),
     ("sidecar_config", sidecar_config::check),
     ("stage_request", stage_request::check),
+    ("checkpoint", checkpoint::check),
 ];
 
 /// Splits `data` at its first byte: a selector (for targets that cover several decoders or

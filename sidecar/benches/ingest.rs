@@ -1,5 +1,6 @@
 //! Ingest benchmark: KV-event payloads (encoded by msgspec, as vLLM/SGLang send them)
-//! decoded and applied to the fleet index on one core; then memory per cached block.
+//! decoded and applied to the fleet index on one core; then memory per cached block, and
+//! what a checkpoint of it costs.
 //!
 //!     cargo bench -p kvroute-sidecar --bench ingest [-- vllm-0.33|vllm-0.22|sglang-0.5.22|…]
 //!
@@ -101,6 +102,26 @@ fn main() {
     println!("decode + index:       {:>10.0} blocks/s  (target >= 1,000,000)", blocks as f64 / best);
     println!("index memory:         {:>10.1} bytes per (worker, block)  (target <= 100)", heap as f64 / held as f64);
     println!("change log:           {:>10} blocks kept for deltas", f.log_blocks());
+
+    // A checkpoint of the whole fleet (state_file): encoding holds the fleet's lock, so its
+    // time is how long ingest and the feed wait once per checkpoint_interval_ms.
+    let t = Instant::now();
+    let file = f.checkpoint();
+    let encode_s = t.elapsed().as_secs_f64();
+    let t = Instant::now();
+    let mut g = fleet();
+    g.load_checkpoint(&file).expect("loads");
+    for key in 0..16 {
+        g.restore_worker(key);
+    }
+    let restore_s = t.elapsed().as_secs_f64();
+    assert_eq!(g.workers.iter().map(|w| w.cache.block_count()).sum::<usize>(), held, "all restored");
+    println!(
+        "checkpoint:           {:>10.1} bytes per (worker, block); encoded in {:.0} ms (fleet locked), restored in {:.0} ms",
+        file.len() as f64 / held as f64,
+        encode_s * 1e3,
+        restore_s * 1e3
+    );
 
     // Memory depends on where a worker's table sizes fall between hashbrown's doublings:
     // one worker's cache filled to 10k, 15k, … 100k blocks.

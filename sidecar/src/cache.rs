@@ -39,6 +39,7 @@
 //! own tokens, so it may count one block more than the engine uses where a request diverges
 //! within those tokens.
 
+use crate::checkpoint::{Reader, Writer};
 use crate::events::{BlockRemoved, BlockStored, ExtraKeys, GroupKind, Medium};
 use crate::table::HashTable;
 use kvroute::feed::FeedBlock;
@@ -459,6 +460,82 @@ impl WorkerCache {
             v
         };
         self.ranks.iter().map(per_rank).collect()
+    }
+
+    /// Writes everything the cache holds, for a checkpoint (`crate::checkpoint`).
+    pub fn save(&self, out: &mut Writer) {
+        out.u32(self.ranks.len() as u32);
+        for r in &self.ranks {
+            out.u32(r.not_full);
+            out.u64(r.engine.len() as u64);
+            for (k, e) in r.engine.iter() {
+                out.u64(k);
+                out.u64(e.router);
+                out.u32(e.copies);
+                out.u32(e.span);
+            }
+            out.u64(r.extra_offloaded.len() as u64);
+            for (k, n) in r.extra_offloaded.iter() {
+                out.u64(k);
+                out.u32(*n);
+            }
+        }
+        out.u64(self.blocks.len() as u64);
+        for (h, b) in self.blocks.iter() {
+            out.u64(h);
+            out.u64(b.anchor);
+            out.u32(b.pos);
+            out.u16(b.holders);
+            out.u16(b.gpu_holders);
+        }
+    }
+
+    /// Reads what [`WorkerCache::save`] wrote, for a worker of `dp_ranks` ranks. The
+    /// holder counts must agree with the engine entries, so a record that was not written
+    /// by `save` (or by another layout of it) is refused rather than half trusted.
+    pub fn load(input: &mut Reader<'_>, dp_ranks: usize) -> Result<WorkerCache, String> {
+        let n_ranks = input.u32()? as usize;
+        if n_ranks != dp_ranks.max(1) {
+            return Err(format!("{n_ranks} ranks saved, the worker has {dp_ranks}"));
+        }
+        let mut cache = WorkerCache::new(n_ranks);
+        for r in &mut cache.ranks {
+            r.not_full = input.u32()?;
+            for _ in 0..input.count(24)? {
+                let (k, router, copies, span) = (input.u64()?, input.u64()?, input.u32()?, input.u32()?);
+                r.engine.insert(k, EngineBlock { router, copies, span });
+            }
+            for _ in 0..input.count(12)? {
+                let (k, n) = (input.u64()?, input.u32()?);
+                r.extra_offloaded.insert(k, n);
+            }
+        }
+        for _ in 0..input.count(24)? {
+            let (h, anchor, pos, holders, gpu_holders) =
+                (input.u64()?, input.u64()?, input.u32()?, input.u16()?, input.u16()?);
+            cache.blocks.insert(h, RouterBlock { anchor, pos, holders, gpu_holders });
+        }
+        // An engine block of span s is s entries (its main one and s − 1 parts), each with
+        // its copies.
+        for r in &cache.ranks {
+            let spans: u64 = r.engine.values().map(|e| u64::from(e.span)).sum();
+            if spans != r.engine.len() as u64 || r.engine.values().any(|e| e.copies == 0) {
+                return Err("engine blocks and their parts disagree".into());
+            }
+        }
+        // Every engine entry holds one router block with its engine block's copies.
+        let mut held: HashTable<(u16, u16)> = HashTable::default();
+        for e in cache.ranks.iter().flat_map(|r| r.engine.values()) {
+            let c = held.get_or_insert_with(e.router, || (0, 0));
+            c.0 = c.0.saturating_add(1);
+            c.1 = c.1.saturating_add(u16::from(e.copies & GPU_BITS != 0));
+        }
+        if held.len() != cache.blocks.len()
+            || !cache.blocks.iter().all(|(h, b)| held.get(&h) == Some(&(b.holders, b.gpu_holders)))
+        {
+            return Err("holder counts disagree with the engine blocks".into());
+        }
+        Ok(cache)
     }
 
     /// Heap bytes held by the tables.
@@ -936,6 +1013,54 @@ mod tests {
         c.apply_stored(0, &stored(&[1], None, toks(16), 16), 16, &mut out);
         c.apply_removed(0, &removed(&[1]), &mut out);
         assert_eq!(c.block_count(), 0);
+    }
+
+    /// Blocks (hash, anchor, offloaded only) and engine blocks per rank.
+    type View = (Vec<(u64, u64, bool)>, Vec<Vec<u64>>);
+
+    /// Everything a cache shows, in an order that does not depend on its tables' layout.
+    fn view(c: &WorkerCache) -> View {
+        let mut blocks: Vec<(u64, u64, bool)> = c.feed_blocks().map(|(b, off)| (b.hash, b.anchor, off)).collect();
+        blocks.sort_unstable();
+        (blocks, c.engine_blocks())
+    }
+
+    #[test]
+    fn a_saved_cache_loads_back_and_goes_on_as_the_original() {
+        // Two ranks; engine blocks of 32 tokens split into two router blocks; copies on the
+        // GPU and offloaded, one of them announced twice.
+        let mut a = WorkerCache::new(2);
+        let mut out = Vec::new();
+        a.apply_stored(0, &stored(&[1, 2], None, toks(64), 32), 16, &mut out);
+        a.apply_stored(1, &stored(&[1], None, toks(32), 32), 16, &mut out);
+        a.apply_stored(0, &placeholder(&[2]), 16, &mut out);
+        a.apply_stored(0, &placeholder(&[2]), 16, &mut out);
+        a.apply_removed(0, &removed(&[2]), &mut out);
+        let mut saved = Writer::default();
+        a.save(&mut saved);
+        let mut b = WorkerCache::load(&mut Reader::new(&saved.0), 2).unwrap();
+        assert_eq!(view(&b), view(&a));
+        assert_eq!((b.block_count(), b.offloaded_count()), (a.block_count(), a.offloaded_count()));
+        // What follows (a child of a saved block, the offloaded copy announced twice going
+        // twice, a rank's copy going) changes both alike.
+        let (mut out_a, mut out_b) = (Vec::new(), Vec::new());
+        let next = stored(&[3], Some(1), toks(64)[32..].to_vec(), 32);
+        assert_eq!(b.apply_stored(1, &next, 16, &mut out_b), a.apply_stored(1, &next, 16, &mut out_a));
+        for ev in [removed_in(&[2], 0, Medium::Offloaded), removed_in(&[2], 0, Medium::Offloaded), removed(&[1])] {
+            assert_eq!(b.apply_removed(0, &ev, &mut out_b), a.apply_removed(0, &ev, &mut out_a));
+        }
+        assert_eq!(out_b, out_a);
+        assert_eq!(view(&b), view(&a));
+        // Another rank count, a cut record, or holders that disagree: refused.
+        assert!(WorkerCache::load(&mut Reader::new(&saved.0), 1).is_err());
+        for cut in 0..saved.0.len() {
+            let mut input = Reader::new(&saved.0[..cut]);
+            assert!(WorkerCache::load(&mut input, 2).is_err(), "cut {cut}");
+        }
+        let mut bad = saved.0.clone();
+        let last = bad.len() - 4; // the last block's holder count
+        bad[last] ^= 1;
+        assert!(WorkerCache::load(&mut Reader::new(&bad), 2).unwrap_err().contains("holder"));
     }
 
     #[test]

@@ -28,6 +28,9 @@ pub struct Cli {
     /// Address to serve the feed, admin and metrics on (default 127.0.0.1:9100).
     #[arg(long)]
     pub listen: Option<String>,
+    /// File to keep the caches in across restarts (ZMQ transport); none by default.
+    #[arg(long)]
+    pub state_file: Option<String>,
     /// A worker: `ID=EVENTS[,replay=ENDPOINT][,role=both|prefill|decode][,dp=N]`, where ID is
     /// the `ip:port` Envoy routes to and EVENTS its ZMQ publisher, e.g.
     /// `10.0.0.5:8000=tcp://10.0.0.5:5557,replay=tcp://10.0.0.5:5558`. Repeatable.
@@ -73,6 +76,8 @@ struct FileConfig {
     max_pending_batches: Option<usize>,
     log_max_blocks: Option<usize>,
     snapshot_page_blocks: Option<usize>,
+    state_file: Option<String>,
+    checkpoint_interval_ms: Option<u64>,
     discovery_backend: Option<String>,
     #[serde(default)]
     etcd_endpoints: Vec<String>,
@@ -147,6 +152,9 @@ pub struct Config {
     pub max_pending_batches: usize,
     pub log_max_blocks: usize,
     pub snapshot_page_blocks: usize,
+    /// Where the caches are checkpointed (`crate::checkpoint`); `None`: not kept.
+    pub state_file: Option<std::path::PathBuf>,
+    pub checkpoint_interval: Duration,
     /// The workers of `Discovery::Static`; empty with any other backend.
     pub workers: Vec<WorkerConfig>,
     pub discovery: Discovery,
@@ -236,6 +244,17 @@ impl Config {
             }
         };
 
+        let state_file = match cli.state_file.clone().or(file.state_file) {
+            None => None,
+            Some(p) if p.is_empty() => return Err("state_file: empty (leave it out to keep no state)".into()),
+            Some(_) if transport != Transport::Zmq => {
+                return Err("state_file: only for the zmq transport (a NATS stream keeps the history itself)".into())
+            }
+            Some(p) => Some(std::path::PathBuf::from(p)),
+        };
+        if file.checkpoint_interval_ms.is_some() && state_file.is_none() {
+            return Err("checkpoint_interval_ms: set, but no state_file to write".into());
+        }
         let mut workers = Vec::new();
         for (i, w) in file.workers.into_iter().enumerate() {
             workers.push(worker(&format!("workers[{i}]"), w)?);
@@ -276,6 +295,8 @@ impl Config {
             // kept the longest admin wait of a 6.4M-entry resync at 0.1–0.25 s, against
             // 0.3–0.5 s with 1M (docs/benchmarks.md).
             snapshot_page_blocks: count(file.snapshot_page_blocks, 250_000, "snapshot_page_blocks")?,
+            state_file,
+            checkpoint_interval: ms(file.checkpoint_interval_ms, 5000, "checkpoint_interval_ms")?,
             workers,
             discovery,
             transport,
@@ -517,6 +538,10 @@ dp_ranks = 2
             ("kv_event_transport = \"kafka\"", "kv_event_transport"),
             ("nats_stream = \"S\"\n[[workers]]\nid=\"1.2.3.4:1\"\nevents=\"tcp://a:1\"", "nats_*"),
             ("kv_event_transport = \"nats\"\nnats_replicas = 9\n[[workers]]\nid=\"1.2.3.4:1\"\nevents=\"tcp://a:1\"", "nats_replicas"),
+            ("kv_event_transport = \"nats\"\nstate_file = \"/tmp/s\"\n[[workers]]\nid=\"1.2.3.4:1\"\nevents=\"tcp://a:1\"", "state_file"),
+            ("state_file = \"\"\n[[workers]]\nid=\"1.2.3.4:1\"\nevents=\"tcp://a:1\"", "state_file"),
+            ("checkpoint_interval_ms = 100\n[[workers]]\nid=\"1.2.3.4:1\"\nevents=\"tcp://a:1\"", "checkpoint_interval_ms"),
+            ("state_file = \"/tmp/s\"\ncheckpoint_interval_ms = 0\n[[workers]]\nid=\"1.2.3.4:1\"\nevents=\"tcp://a:1\"", "checkpoint_interval_ms"),
             ("", "workers"),
             (
                 "[[workers]]\nid=\"1.2.3.4:1\"\nevents=\"tcp://a:1\"\n[[workers]]\nid=\"1.2.3.4:1\"\nevents=\"tcp://a:2\"",

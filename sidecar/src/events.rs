@@ -112,9 +112,8 @@ pub struct BlockStored {
     pub cache_salt: Option<String>,
 }
 
-#[cfg(test)]
 impl BlockStored {
-    /// A store of the base model's blocks in GPU memory, as most tests want one.
+    /// A store of the base model's blocks in GPU memory, as most tests and seeds want one.
     pub fn on_gpu(block_hashes: &[u64], parent: Option<u64>, token_ids: Vec<u32>, block_size: u32) -> BlockStored {
         BlockStored {
             block_hashes: block_hashes.to_vec(),

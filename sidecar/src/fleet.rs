@@ -8,6 +8,7 @@
 
 use crate::cache::{Change, Outcome, WorkerCache};
 use crate::changelog::ChangeLog;
+use crate::checkpoint::{self, ResumePoint, SavedWorker};
 use crate::config::{Config, WorkerConfig};
 use crate::events::{Batch, BatchReader, BatchTail, DecodeError, Event, GroupKind};
 use bytes::Bytes;
@@ -32,16 +33,23 @@ pub enum ResetReason {
     GapNotReplayed,
     /// A batch could not be decoded, so what it changed is unknown.
     UndecodableBatch,
+    /// A rank restored from a checkpoint whose publisher did not confirm the resume point.
+    RestoreUnverified,
 }
 
 impl ResetReason {
-    pub const ALL: [ResetReason; 3] =
-        [ResetReason::PublisherRestart, ResetReason::GapNotReplayed, ResetReason::UndecodableBatch];
+    pub const ALL: [ResetReason; 4] = [
+        ResetReason::PublisherRestart,
+        ResetReason::GapNotReplayed,
+        ResetReason::UndecodableBatch,
+        ResetReason::RestoreUnverified,
+    ];
     pub fn label(self) -> &'static str {
         match self {
             ResetReason::PublisherRestart => "publisher_restart",
             ResetReason::GapNotReplayed => "gap_not_replayed",
             ResetReason::UndecodableBatch => "undecodable_batch",
+            ResetReason::RestoreUnverified => "restore_unverified",
         }
     }
 }
@@ -57,6 +65,8 @@ pub struct Stats {
     pub batches: u64,
     /// Payloads that did not decode.
     pub batches_bad: u64,
+    /// Live batches that arrived again after a replay had applied them (dropped).
+    pub batches_duplicate: u64,
     /// Of them, batches over a cap (`crate::events::MAX_EVENTS_PER_BATCH`, …).
     pub batches_over_cap: u64,
     /// ZMQ messages that were not `[topic, seq(8), payload]`.
@@ -79,6 +89,14 @@ pub struct Stats {
     pub workers_removed: u64,
     /// Workers discovery offered that could not be added (fleet full, id taken).
     pub workers_refused: u64,
+    /// Checkpoints written to `state_file`, and those that failed (logged).
+    pub checkpoints_written: u64,
+    pub checkpoint_errors: u64,
+    /// Workers whose caches were restored from the checkpoint at start or when they joined;
+    /// of their ranks, those whose publisher confirmed the resume point (the others were
+    /// cleared: `resets{reason="restore_unverified"}`).
+    pub workers_restored: u64,
+    pub restores_verified: u64,
     /// Discovery lookups or sessions that failed (the last worker list was kept).
     pub discovery_errors: u64,
     /// Discovery records that did not describe a worker (ignored).
@@ -94,6 +112,9 @@ pub struct RankState {
     pub last_event_at: Option<Instant>,
     /// Receive time minus the batch's `ts`, of the latest batch.
     pub lag_ms: Option<f64>,
+    /// The digest of the latest batch's payload (`checkpoint::payload_digest`): with
+    /// `last_seq`, where a restarted sidecar resumes the stream.
+    pub last_digest: Option<u64>,
 }
 
 /// A worker's name inside this process: positions shift when a worker leaves, keys do not.
@@ -134,6 +155,8 @@ pub struct Fleet {
     pub stats: Stats,
     version_tx: watch::Sender<u64>,
     changes: Vec<Change>,
+    /// Checkpoint records of workers that have not joined since the sidecar started.
+    saved: Vec<SavedWorker>,
 }
 
 /// The feed's answer to one poll.
@@ -160,6 +183,7 @@ impl Fleet {
             stats: Stats::default(),
             version_tx,
             changes: Vec::new(),
+            saved: Vec::new(),
         }
     }
 
@@ -239,6 +263,9 @@ impl Fleet {
             })
             .inspect_err(|e| self.stats.batches_over_cap += u64::from(e.over_cap))?;
         self.batch_done(w, rank, seq, &tail, now, now_unix);
+        if let Some(r) = self.workers.get_mut(w).and_then(|x| x.ranks.get_mut(rank)) {
+            r.last_digest = Some(checkpoint::payload_digest(payload));
+        }
         Ok(())
     }
 
@@ -287,8 +314,10 @@ impl Fleet {
         self.stats.batches += 1;
         if let Some(r) = worker.ranks.get_mut(rank) {
             r.last_seq = Some(seq);
+            r.last_digest = None;
             r.last_event_at = Some(now);
-            r.lag_ms = Some(((now_unix - tail.ts) * 1000.0).max(0.0));
+            // A `ts` that is no time (NaN, infinite: never sent by an engine) gives no lag.
+            r.lag_ms = tail.ts.is_finite().then(|| ((now_unix - tail.ts) * 1000.0).max(0.0));
         }
     }
 
@@ -351,6 +380,80 @@ impl Fleet {
         if changed {
             self.bump();
         }
+    }
+
+    /// The whole fleet as a checkpoint file (`crate::checkpoint`): every worker's cache and
+    /// resume points, and the saved records of workers that have not rejoined.
+    pub fn checkpoint(&self) -> Vec<u8> {
+        let mut records: Vec<Vec<u8>> = Vec::with_capacity(self.workers.len());
+        for worker in &self.workers {
+            let mut w = checkpoint::Writer::default();
+            let points: Vec<Option<ResumePoint>> =
+                worker.ranks.iter().map(|r| Some(ResumePoint { seq: r.last_seq?, digest: r.last_digest? })).collect();
+            checkpoint::record_header(&mut w, &worker.config.id, &points);
+            worker.cache.save(&mut w);
+            records.push(w.0);
+        }
+        let carried = self.saved.iter().filter(|s| self.workers.iter().all(|w| w.config.id != s.id));
+        let all: Vec<&[u8]> = records.iter().map(Vec::as_slice).chain(carried.map(|s| s.record.as_slice())).collect();
+        checkpoint::encode(self.block_size, &all)
+    }
+
+    /// Takes a checkpoint file read at start: its records wait for their workers to join
+    /// ([`Fleet::restore_worker`]). Refused whole if damaged or written for another block
+    /// size; the number of records otherwise.
+    pub fn load_checkpoint(&mut self, file: &[u8]) -> Result<usize, String> {
+        self.saved = checkpoint::decode(file, self.block_size)?;
+        Ok(self.saved.len())
+    }
+
+    /// Gives worker `key` the cache its checkpoint record holds, if there is one for its
+    /// id with as many ranks, and returns each rank's resume point (empty: nothing
+    /// restored). The restored blocks are a new version, like any others; until the
+    /// sequencer confirms a rank's resume point with its publisher the rank is provisional
+    /// (a rank that is not confirmed is cleared).
+    pub fn restore_worker(&mut self, key: WorkerKey) -> Vec<Option<ResumePoint>> {
+        let Some(w) = self.position(key) else { return Vec::new() };
+        let Some(i) = self.saved.iter().position(|s| s.id == self.workers[w].config.id) else { return Vec::new() };
+        let saved = self.saved.swap_remove(i);
+        let worker = &mut self.workers[w];
+        let mut input = checkpoint::Reader::new(&saved.record);
+        let restored = checkpoint::read_header(&mut input).and_then(|points| {
+            if points.len() != worker.ranks.len() {
+                return Err(format!("{} ranks saved, the worker has {}", points.len(), worker.ranks.len()));
+            }
+            let cache = WorkerCache::load(&mut input, worker.ranks.len())?;
+            if !input.is_empty() {
+                return Err("bytes after the cache".into());
+            }
+            Ok((points, cache))
+        });
+        let (points, cache) = match restored {
+            Ok(r) => r,
+            Err(e) => {
+                self.stats.checkpoint_errors += 1;
+                log::error!("worker {}: checkpoint record refused ({e}); starting it empty", worker.config.id);
+                return Vec::new();
+            }
+        };
+        worker.cache = cache;
+        for (r, p) in worker.ranks.iter_mut().zip(&points) {
+            r.last_seq = p.map(|p| p.seq);
+            r.last_digest = p.map(|p| p.digest);
+        }
+        let mut changes: Vec<Change> = worker
+            .cache
+            .feed_blocks()
+            .map(|(b, offloaded)| if offloaded { Change::StoreOffloaded(b) } else { Change::Store(b) })
+            .collect();
+        changes.sort_by_key(|c| matches!(c, Change::StoreOffloaded(_)));
+        log::info!("worker {}: {} blocks restored from the checkpoint", worker.config.id, changes.len());
+        let key = worker.key;
+        if Self::log_changes(&mut self.log, self.version + 1, key, &mut changes) {
+            self.bump();
+        }
+        self.stats.workers_restored += 1;
+        points
     }
 
     /// Marks a worker up or down; a change is a new version (the worker list changed).
@@ -688,6 +791,83 @@ mod tests {
         assert!(matches!(&d.ops[..], [Op::StoreOffloaded { blocks, .. }] if blocks.len() == 1));
         let d = frame(f.feed(42, 1, 0, false, true));
         assert!(matches!(&d.ops[..], [Op::Store { blocks, .. }] if blocks.len() == 1));
+    }
+
+    /// vLLM's positional batch `[0, [["BlockStored", hashes, parent, tokens, 16]]]`.
+    fn payload(hashes: &[u64], parent: Option<u64>, first_token: u16) -> Vec<u8> {
+        let mut p = vec![0x92, 0x00, 0x91, 0x95, 0xab];
+        p.extend_from_slice(b"BlockStored");
+        p.push(0x90 | hashes.len() as u8);
+        for h in hashes {
+            p.push(0xcf);
+            p.extend_from_slice(&h.to_be_bytes());
+        }
+        match parent {
+            Some(h) => {
+                p.push(0xcf);
+                p.extend_from_slice(&h.to_be_bytes());
+            }
+            None => p.push(0xc0),
+        }
+        let n = hashes.len() as u16 * 16;
+        p.push(0xdc);
+        p.extend_from_slice(&n.to_be_bytes());
+        for t in first_token..first_token + n {
+            p.push(0xcd);
+            p.extend_from_slice(&t.to_be_bytes());
+        }
+        p.push(0x10);
+        p
+    }
+
+    fn held(f: &Fleet, w: usize) -> Vec<(u64, u64, bool)> {
+        let mut v: Vec<_> = f.workers[w].cache.feed_blocks().map(|(b, off)| (b.hash, b.anchor, off)).collect();
+        v.sort_unstable();
+        v
+    }
+
+    #[test]
+    fn a_checkpoint_restores_each_worker_when_it_joins() {
+        let mut f = fleet(1000);
+        let now = Instant::now();
+        let (p0, p1) = (payload(&[1, 2], None, 0), payload(&[5], None, 500));
+        f.apply_payload(0, 0, 3, &p0, now, 0.0).unwrap();
+        f.apply_payload(1, 0, 8, &p1, now, 0.0).unwrap();
+        let file = f.checkpoint();
+
+        let mut g = fleet(1000);
+        assert_eq!(g.load_checkpoint(&file), Ok(2));
+        let v = g.version();
+        assert_eq!(g.restore_worker(0), [Some(ResumePoint { seq: 3, digest: checkpoint::payload_digest(&p0) })]);
+        assert_eq!(held(&g, 0), held(&f, 0));
+        assert_eq!(g.stats.workers_restored, 1);
+        // The restored blocks reach the feed like any others.
+        let d = frame(g.feed(42, v, 0, true, true));
+        assert!(matches!(&d.ops[..], [Op::Store { worker: 0, blocks }] if blocks.len() == 2));
+        // A record is used once.
+        assert!(g.restore_worker(0).is_empty());
+        // Worker 1 has not rejoined: its record is carried into the next checkpoint, and
+        // restored from that one.
+        assert!(g.remove_worker(1));
+        let mut h = fleet(1000);
+        assert_eq!(h.load_checkpoint(&g.checkpoint()), Ok(2));
+        assert_eq!(h.restore_worker(1), [Some(ResumePoint { seq: 8, digest: checkpoint::payload_digest(&p1) })]);
+        assert_eq!(held(&h, 1), held(&f, 1));
+        // A rank with no batch yet has no resume point.
+        let mut e = fleet(1000);
+        e.load_checkpoint(&fleet(1000).checkpoint()).unwrap();
+        assert_eq!(e.restore_worker(0), [None]);
+
+        // A worker that now has another number of ranks starts empty (counted); a file
+        // for another block size is refused whole.
+        let text = "[[workers]]\nid=\"127.0.0.1:8101\"\nevents=\"tcp://127.0.0.1:5557\"\ndp_ranks=2";
+        let mut two = Fleet::new(&Config::from_toml(text, &Cli::default()).unwrap(), 42);
+        two.load_checkpoint(&file).unwrap();
+        assert!(two.restore_worker(0).is_empty());
+        assert_eq!((two.workers[0].cache.block_count(), two.stats.checkpoint_errors), (0, 1));
+        let text = format!("block_size = 32\n{text}");
+        let mut other = Fleet::new(&Config::from_toml(&text, &Cli::default()).unwrap(), 42);
+        assert!(other.load_checkpoint(&file).unwrap_err().contains("block size"));
     }
 
     #[test]

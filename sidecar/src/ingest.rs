@@ -116,7 +116,24 @@ impl<S: Source> Ingest<S> {
             membership: None,
         };
         ingest.streams = specs.iter().map(|s| ingest.stream(s)).collect();
+        let mut keys: Vec<WorkerKey> = specs.iter().map(|s| s.worker).collect();
+        keys.dedup();
+        for key in keys {
+            ingest.resume_restored(key);
+        }
         ingest
+    }
+
+    /// Restores worker `key`'s cache from the checkpoint, if it has a record there, and has
+    /// each restored rank's sequencer confirm its resume point with the publisher.
+    fn resume_restored(&mut self, key: WorkerKey) {
+        let points = lock(&self.fleet).restore_worker(key);
+        for (i, stream) in self.streams.iter_mut().enumerate().filter(|(_, s)| s.worker == key) {
+            if let Some(&Some(at)) = points.get(stream.rank) {
+                let mut sink = FleetSink::of(&self.fleet, stream, i, &mut self.source);
+                stream.seq.resume_verified(at, Instant::now(), &mut sink);
+            }
+        }
     }
 
     fn stream(&self, spec: &StreamSpec) -> Stream {
@@ -201,16 +218,24 @@ impl<S: Source> Ingest<S> {
             let stream = self.stream(spec);
             self.streams.push(stream);
         }
+        self.resume_restored(key);
     }
 
     /// One turn: what arrived within `timeout`, then every stream's clock.
     pub fn turn(&mut self, timeout: Duration) {
-        for (i, arrival) in self.source.poll(timeout) {
+        let arrivals = self.source.poll(timeout);
+        // Replies read in this poll belong to the replay running when it was made; one that
+        // ends midway (a restored rank not confirmed) is followed by another, which must not
+        // take the first one's remaining replies for its own.
+        let generation: Vec<u64> = self.streams.iter().map(|s| s.seq.replay_generation()).collect();
+        for (i, arrival) in arrivals {
             let Some(stream) = self.streams.get_mut(i) else { continue };
+            let stale = generation.get(i) != Some(&stream.seq.replay_generation());
             let mut sink = FleetSink::of(&self.fleet, stream, i, &mut self.source);
             let now = Instant::now();
             match arrival {
                 Arrival::Live(seq, payload) => stream.seq.live(seq, payload, now, &mut sink),
+                Arrival::Replay(_) | Arrival::ReplayFailed if stale => {}
                 Arrival::Replay(reply) => stream.seq.replay_reply(reply, now, &mut sink),
                 Arrival::ReplayFailed => stream.seq.replay_failed(now, &mut sink),
                 Arrival::Malformed(what) => {
@@ -270,6 +295,8 @@ impl<S: Source> Sink for FleetSink<'_, S> {
             Count::ReplayOk => stats.replays_ok += 1,
             Count::ReplayFailed => stats.replays_failed += 1,
             Count::BadBatch => stats.batches_bad += 1,
+            Count::Duplicate => stats.batches_duplicate += 1,
+            Count::RestoreVerified => stats.restores_verified += 1,
         }
     }
 }

@@ -1,7 +1,8 @@
 //! kvroute-sidecar: vLLM/SGLang KV-cache events in, the kvroute feed out.
 //!
 //! - [`events`] decodes the engines' msgpack payloads ([`msgpack`] is the reader);
-//! - [`cache`] mirrors one worker's cache in the router's hash space;
+//! - [`cache`] mirrors one worker's cache in the router's hash space; [`checkpoint`] keeps
+//!   the caches on disk across restarts;
 //! - [`fleet`] holds every worker, the feed version and its [`changelog`];
 //! - [`sequence`] decides, per event stream, what to apply, clear or replay (no I/O);
 //! - [`ingest`] runs each stream's sequencer over a [`ingest::Source`]; [`zmq_source`] is
@@ -13,6 +14,7 @@
 
 pub mod cache;
 pub mod changelog;
+pub mod checkpoint;
 pub mod config;
 pub mod discovery;
 pub mod eds;

@@ -2,7 +2,7 @@
 //! feed (`docs/feed-protocol.md`) plus the admin API. Usage: `sidecar/README.md`.
 
 use clap::Parser;
-use kvroute_sidecar::{config, discovery, fleet, health, ingest, nats, server, zmq_source};
+use kvroute_sidecar::{checkpoint, config, discovery, fleet, health, ingest, nats, server, zmq_source};
 use std::collections::hash_map::RandomState;
 use std::hash::{BuildHasher, Hasher};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -58,6 +58,9 @@ fn start_ingest<S: ingest::Source + Send + 'static>(
 fn run(config: config::Config) -> Result<(), String> {
     let started = Instant::now();
     let fleet = Arc::new(Mutex::new(fleet::Fleet::new(&config, new_epoch())));
+    if let Some(path) = &config.state_file {
+        read_checkpoint(path, &fleet);
+    }
     let streams = ingest::streams(&config);
     let (membership_tx, membership_rx) = std::sync::mpsc::channel();
     let stop = Arc::new(AtomicBool::new(false));
@@ -70,6 +73,29 @@ fn run(config: config::Config) -> Result<(), String> {
             let source = nats::source::NatsSource::connect(settings, &streams)?;
             start_ingest(&config, &streams, source, &fleet, membership_rx, &stop)?
         }
+    };
+
+    let checkpoint_thread = match &config.state_file {
+        Some(path) => {
+            let (path, fleet, stop, every) = (path.clone(), fleet.clone(), stop.clone(), config.checkpoint_interval);
+            let run = move || {
+                let mut next = Instant::now() + every;
+                while !stop.load(Ordering::Relaxed) {
+                    std::thread::sleep(ingest::POLL_INTERVAL);
+                    if Instant::now() >= next {
+                        write_checkpoint(&path, &fleet);
+                        next = Instant::now() + every;
+                    }
+                }
+            };
+            Some(
+                std::thread::Builder::new()
+                    .name("checkpoint".into())
+                    .spawn(run)
+                    .map_err(|e| format!("starting the checkpoint thread: {e}"))?,
+            )
+        }
+        None => None,
     };
 
     let rt = tokio::runtime::Builder::new_current_thread()
@@ -96,5 +122,48 @@ fn run(config: config::Config) -> Result<(), String> {
     });
     stop.store(true, Ordering::Relaxed);
     let _ = ingest_thread.join();
+    if let Some(t) = checkpoint_thread {
+        let _ = t.join();
+    }
+    // The last one, of the state as ingest left it (after the thread's own last write).
+    if let Some(path) = &config.state_file {
+        write_checkpoint(path, &fleet);
+    }
     result
+}
+
+/// Takes the checkpoint a previous run left (none yet is normal; a bad one is logged,
+/// counted and ignored: the sidecar then starts empty, as without one).
+fn read_checkpoint(path: &std::path::Path, fleet: &Mutex<fleet::Fleet>) {
+    let loaded = match std::fs::read(path) {
+        Ok(bytes) => fleet::lock(fleet).load_checkpoint(&bytes),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            log::info!("no checkpoint at {} yet", path.display());
+            return;
+        }
+        Err(e) => Err(e.to_string()),
+    };
+    match loaded {
+        Ok(n) => log::info!("checkpoint {}: {n} workers' caches, restored as each joins", path.display()),
+        Err(e) => {
+            fleet::lock(fleet).stats.checkpoint_errors += 1;
+            log::error!("checkpoint {} not used: {e}; starting empty", path.display());
+        }
+    }
+}
+
+/// Writes the fleet's checkpoint; the fleet is locked only while it is encoded.
+fn write_checkpoint(path: &std::path::Path, fleet: &Mutex<fleet::Fleet>) {
+    let bytes = fleet::lock(fleet).checkpoint();
+    let result = checkpoint::write_file(path, &bytes);
+    let mut f = fleet::lock(fleet);
+    match result {
+        Ok(()) => f.stats.checkpoints_written += 1,
+        Err(e) => {
+            f.stats.checkpoint_errors += 1;
+            if f.stats.checkpoint_errors.is_power_of_two() {
+                log::error!("checkpoint {}: {e} (#{})", path.display(), f.stats.checkpoint_errors);
+            }
+        }
+    }
 }

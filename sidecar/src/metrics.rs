@@ -27,7 +27,7 @@ pub fn render(f: &Fleet, now: Instant, started: Instant) -> String {
             );
         }
     }
-    let counters: [(&str, &str, u64); 18] = [
+    let counters: [(&str, &str, u64); 23] = [
         ("kvroute_sidecar_batches_total", "Event batches decoded and applied.", s.batches),
         (
             "kvroute_sidecar_batches_bad_total",
@@ -38,6 +38,11 @@ pub fn render(f: &Fleet, now: Instant, started: Instant) -> String {
             "kvroute_sidecar_batches_over_cap_total",
             "Of the bad batches, those over a cap: events per batch, blocks or tokens per event.",
             s.batches_over_cap,
+        ),
+        (
+            "kvroute_sidecar_batches_duplicate_total",
+            "Live batches that arrived again after a replay had applied them; dropped.",
+            s.batches_duplicate,
         ),
         (
             "kvroute_sidecar_frames_bad_total",
@@ -54,6 +59,26 @@ pub fn render(f: &Fleet, now: Instant, started: Instant) -> String {
         ("kvroute_sidecar_sequence_gaps_total", "Sequence gaps seen on event streams.", s.gaps),
         ("kvroute_sidecar_replays_ok_total", "Replays that covered their gap.", s.replays_ok),
         ("kvroute_sidecar_replays_failed_total", "Replays that could not cover their gap.", s.replays_failed),
+        (
+            "kvroute_sidecar_checkpoints_written_total",
+            "Checkpoints of the caches written to state_file.",
+            s.checkpoints_written,
+        ),
+        (
+            "kvroute_sidecar_checkpoint_errors_total",
+            "Checkpoints that could not be written or read back (logged).",
+            s.checkpoint_errors,
+        ),
+        (
+            "kvroute_sidecar_workers_restored_total",
+            "Workers whose caches were restored from the checkpoint.",
+            s.workers_restored,
+        ),
+        (
+            "kvroute_sidecar_restores_verified_total",
+            "Restored ranks whose publisher confirmed the checkpoint's last batch.",
+            s.restores_verified,
+        ),
         ("kvroute_sidecar_feed_bad_requests_total", "Feed polls refused as malformed.", s.feed_bad_requests),
         ("kvroute_sidecar_workers_added_total", "Workers that joined after start (discovery).", s.workers_added),
         ("kvroute_sidecar_workers_removed_total", "Workers that left (discovery).", s.workers_removed),

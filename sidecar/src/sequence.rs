@@ -9,14 +9,31 @@
 //!   replay cannot cover the gap (no replay endpoint, buffer too short, timeout, too many
 //!   live batches held), the stream's blocks are cleared and rebuilt from what follows.
 //! - `seq < expected`: the publisher restarted; its cache started empty, so clear it too.
+//!   Unless it is a batch applied already (same number, same payload digest, among the
+//!   last [`RECENT_BATCHES`]): a replay reaches as far as the publisher's buffer, past
+//!   live batches still on their way, which then arrive again; so does a batch the network
+//!   delayed behind the next. Those are dropped and counted.
 //! - first batch seen with `seq > 0`: catch up by replaying from 0 if possible (what the
 //!   engine cached before the sidecar subscribed).
 //!
 //! A batch that does not decode clears the stream (what it changed is unknown).
+//!
+//! A stream restored from a checkpoint ([`Sequencer::resume_verified`]) starts with a replay
+//! from the checkpoint's last batch: the publisher must send that very batch (same sequence
+//! number and payload digest) before anything after it is applied; otherwise (another
+//! batch, an empty buffer, no replay, a timeout) the rank is cleared and caught up from 0
+//! as at a fresh start.
 
+use crate::checkpoint::{payload_digest, ResumePoint};
 use crate::fleet::ResetReason;
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
+
+/// Applied batches remembered per stream to tell a batch that comes again from a restarted
+/// publisher's (16 bytes each). A replay runs ahead of the live stream by what the
+/// subscription has not read yet; a duplicate older than this is taken for a restart, which
+/// clears and rebuilds the rank: never wrong, only slower.
+pub const RECENT_BATCHES: usize = 4096;
 
 /// What the sequencer counts (the sidecar's metrics).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -25,6 +42,10 @@ pub enum Count {
     ReplayOk,
     ReplayFailed,
     BadBatch,
+    /// A live batch that had been applied already (module docs); dropped.
+    Duplicate,
+    /// A restored rank's resume point was confirmed by its publisher.
+    RestoreVerified,
 }
 
 /// The source's side of a stream.
@@ -48,6 +69,8 @@ struct Replay {
     catch_up: bool,
     /// The replay could not cover the gap and the stream was already cleared.
     gave_up: bool,
+    /// A restored rank's resume point, until its publisher sends that batch again.
+    verify: Option<ResumePoint>,
 }
 
 /// A replay's message, as the source read it.
@@ -63,6 +86,10 @@ pub struct Sequencer {
     replay: Option<Replay>,
     /// Live batches held while a replay runs.
     pending: VecDeque<(u64, Vec<u8>)>,
+    /// Replays started so far: tells a source's replies to an ended replay from the next's.
+    replays_started: u64,
+    /// (seq, payload digest) of the last batches applied, oldest first.
+    recent: VecDeque<(u64, u64)>,
     max_pending: usize,
     replay_timeout: Duration,
     /// Problems seen on this stream; each is counted in the metrics, but logged only at
@@ -77,6 +104,8 @@ impl Sequencer {
             expected: None,
             replay: None,
             pending: VecDeque::new(),
+            replays_started: 0,
+            recent: VecDeque::new(),
             max_pending,
             replay_timeout,
             problems: 0,
@@ -102,8 +131,45 @@ impl Sequencer {
         }
     }
 
+    /// Continues a rank restored from a checkpoint after its last batch `at`, once the
+    /// publisher confirms it (module docs); clears the rank at once if no replay can be
+    /// asked for.
+    pub fn resume_verified(&mut self, at: ResumePoint, now: Instant, sink: &mut dyn Sink) {
+        self.expected = Some(at.seq.wrapping_add(1));
+        if self.start_replay(at.seq, false, now, sink) {
+            if let Some(r) = self.replay.as_mut() {
+                r.verify = Some(at);
+            }
+        } else {
+            self.unverified(now, sink);
+        }
+    }
+
+    /// The restored rank could not be confirmed: cleared, and caught up from 0 (the held
+    /// live batches after it).
+    fn unverified(&mut self, now: Instant, sink: &mut dyn Sink) {
+        if self.should_log() {
+            log::warn!("{}: checkpoint not confirmed by the publisher; clearing", self.label);
+        }
+        sink.reset(ResetReason::RestoreUnverified);
+        self.expected = None;
+        if self.start_replay(0, true, now, sink) {
+            self.expected = Some(0);
+        } else {
+            for (seq, payload) in std::mem::take(&mut self.pending) {
+                self.live(seq, payload, now, sink);
+            }
+        }
+    }
+
     pub fn label(&self) -> &str {
         &self.label
+    }
+
+    /// Which replay is the latest (a count of those started): replies a source read for an
+    /// earlier one must not be taken for this one's.
+    pub fn replay_generation(&self) -> u64 {
+        self.replays_started
     }
 
     /// A replay is running: the source listens for its replies.
@@ -150,10 +216,16 @@ impl Sequencer {
                 self.pending.push_back((seq, payload));
             }
             Some(e) => {
+                let digest = payload_digest(&payload);
+                if self.recent.iter().rev().any(|&(s, d)| s == seq && d == digest) {
+                    sink.count(Count::Duplicate);
+                    return;
+                }
                 if self.should_log() {
                     log::warn!("{}: sequence went back from {e} to {seq}: publisher restarted", self.label);
                 }
                 sink.reset(ResetReason::PublisherRestart);
+                self.recent.clear();
                 self.expected = None;
                 self.live(seq, payload, now, sink);
             }
@@ -170,6 +242,25 @@ impl Sequencer {
 
     /// One message of the running replay (ignored when none runs).
     pub fn replay_reply(&mut self, reply: ReplayReply, now: Instant, sink: &mut dyn Sink) {
+        if let Some(at) = self.replay.as_ref().and_then(|r| r.verify) {
+            match &reply {
+                ReplayReply::Batch(seq, _) if *seq < at.seq => return,
+                ReplayReply::Batch(seq, payload) if *seq == at.seq && payload_digest(payload) == at.digest => {
+                    if let Some(r) = self.replay.as_mut() {
+                        r.verify = None;
+                    }
+                    sink.count(Count::RestoreVerified);
+                    return;
+                }
+                // Another batch at that number, the buffer no longer reaching back to it,
+                // or nothing at all: not the history the checkpoint continues.
+                _ => {
+                    self.replay = None;
+                    sink.end_replay();
+                    return self.unverified(now, sink);
+                }
+            }
+        }
         let (seq, payload) = match reply {
             ReplayReply::Batch(seq, payload) => (seq, payload),
             ReplayReply::End => return self.finish_replay(now, sink),
@@ -207,6 +298,10 @@ impl Sequencer {
 
     fn apply(&mut self, seq: u64, payload: &[u8], sink: &mut dyn Sink) {
         self.expected = Some(seq.wrapping_add(1));
+        if self.recent.len() == RECENT_BATCHES {
+            self.recent.pop_front();
+        }
+        self.recent.push_back((seq, payload_digest(payload)));
         if let Err(e) = sink.apply(seq, payload) {
             if self.should_log() {
                 log::warn!("{}: batch {seq} does not decode ({e}); clearing (problem #{})", self.label, self.problems);
@@ -220,7 +315,8 @@ impl Sequencer {
         if !sink.request_replay(from) {
             return false;
         }
-        self.replay = Some(Replay { deadline: now + self.replay_timeout, catch_up, gave_up: false });
+        self.replays_started += 1;
+        self.replay = Some(Replay { deadline: now + self.replay_timeout, catch_up, gave_up: false, verify: None });
         true
     }
 
@@ -229,6 +325,9 @@ impl Sequencer {
     fn finish_replay(&mut self, now: Instant, sink: &mut dyn Sink) {
         let Some(replay) = self.replay.take() else { return };
         sink.end_replay();
+        if replay.verify.is_some() {
+            return self.unverified(now, sink);
+        }
         let pending = std::mem::take(&mut self.pending);
         let expected = self.expected.unwrap_or(0);
         // Covered: the replay reached the first held live batch.
@@ -408,8 +507,9 @@ mod tests {
     #[test]
     fn a_sequence_that_goes_back_is_a_restarted_publisher() {
         let (mut q, mut k, t) = (seq(8), sink(false), Instant::now());
-        for s in [0, 1, 2, 0, 1] {
-            q.live(s, vec![0], t, &mut k);
+        // (The new publisher's batches are other batches: their payloads differ.)
+        for (s, payload) in [(0, 0), (1, 1), (2, 2), (0, 10), (1, 11)] {
+            q.live(s, vec![payload], t, &mut k);
         }
         assert_eq!(k.did, [Apply(0), Apply(1), Apply(2), Reset(ResetReason::PublisherRestart), Apply(0), Apply(1)]);
     }
@@ -498,5 +598,73 @@ mod tests {
         q.live(1, vec![0], t, &mut k);
         assert_eq!(k.did, [Apply(0), Counted(Count::BadBatch), Reset(ResetReason::UndecodableBatch), Apply(1)]);
         assert_eq!(q.problems(), 1);
+    }
+
+    /// Resumed at batch 5, whose payload is `[0]`.
+    fn resumed(k: &mut Record, t: Instant) -> Sequencer {
+        let mut q = seq(8);
+        q.resume_verified(ResumePoint { seq: 5, digest: payload_digest(&[0]) }, t, k);
+        q
+    }
+
+    #[test]
+    fn a_restored_stream_goes_on_once_its_publisher_confirms_the_last_batch() {
+        let (mut k, t) = (sink(true), Instant::now());
+        let mut q = resumed(&mut k, t);
+        q.live(7, vec![0], t, &mut k); // held while the replay runs
+        q.replay_reply(batch(5), t, &mut k);
+        q.replay_reply(batch(6), t, &mut k);
+        q.replay_reply(ReplayReply::End, t, &mut k);
+        assert_eq!(
+            k.did,
+            [Replay(5), Counted(Count::RestoreVerified), Apply(6), EndReplay, Counted(Count::ReplayOk), Apply(7)]
+        );
+    }
+
+    #[test]
+    fn a_restored_stream_the_publisher_does_not_confirm_is_cleared_and_caught_up() {
+        let unconfirmed = [Replay(5), EndReplay, Reset(ResetReason::RestoreUnverified), Replay(0)];
+        // Another batch under that number (the engine restarted and went past it), a buffer
+        // that starts after it, or none at all.
+        for first in [ReplayReply::Batch(5, vec![1]), batch(8), ReplayReply::End] {
+            let (mut k, t) = (sink(true), Instant::now());
+            let mut q = resumed(&mut k, t);
+            q.replay_reply(first, t, &mut k);
+            assert_eq!(k.did, unconfirmed);
+            // The catch-up from 0 then runs as at a fresh start.
+            q.replay_reply(batch(0), t, &mut k);
+            q.replay_reply(ReplayReply::End, t, &mut k);
+            assert_eq!(k.did[4..], [Apply(0), EndReplay, Counted(Count::ReplayOk)]);
+        }
+        // No answer in time.
+        let (mut k, t) = (sink(true), Instant::now());
+        let mut q = resumed(&mut k, t);
+        q.tick(t + Duration::from_secs(6), &mut k);
+        assert_eq!(k.did, unconfirmed);
+        // No replay socket: nothing can confirm it.
+        let (mut k, t) = (sink(false), Instant::now());
+        let mut q = resumed(&mut k, t);
+        q.live(7, vec![0], t, &mut k);
+        assert_eq!(k.did, [Reset(ResetReason::RestoreUnverified), Apply(7)]);
+    }
+
+    #[test]
+    fn a_batch_that_comes_again_after_a_replay_applied_it_is_not_a_restart() {
+        let (mut q, mut k, t) = (seq(8), sink(true), Instant::now());
+        q.live(0, vec![0], t, &mut k);
+        q.live(2, vec![2], t, &mut k); // 1 is late: a gap
+        q.replay_reply(ReplayReply::Batch(1, vec![1]), t, &mut k);
+        q.replay_reply(ReplayReply::Batch(2, vec![2]), t, &mut k);
+        q.replay_reply(ReplayReply::Batch(3, vec![3]), t, &mut k); // ahead of the live stream
+        q.replay_reply(ReplayReply::End, t, &mut k);
+        k.did.clear();
+        // 1 (delayed) and 3 (still on its way when the replay sent it) arrive: applied already.
+        q.live(1, vec![1], t, &mut k);
+        q.live(3, vec![3], t, &mut k);
+        q.live(4, vec![4], t, &mut k);
+        assert_eq!(k.did, [Counted(Count::Duplicate), Counted(Count::Duplicate), Apply(4)]);
+        // The same number with another payload is a restarted publisher.
+        q.live(1, vec![9], t, &mut k);
+        assert_eq!(k.did[3..], [Reset(ResetReason::PublisherRestart), Replay(0)]);
     }
 }

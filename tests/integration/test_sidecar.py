@@ -24,7 +24,7 @@ class Fleet:
     """Publishers on loopback ports and a sidecar subscribed to them."""
 
     def __init__(self, n=2, replay=True, start_sidecar=True, ids=None, sidecar_extra=None, replay_topic=True,
-                 address_space=None):
+                 address_space=None, buffer_steps=10_000):
         self.pubs, self.ids, self.specs = [], [], []
         self.address_space = address_space
         for i in range(n):
@@ -34,7 +34,7 @@ class Fleet:
             self.specs.append((wid, f"tcp://127.0.0.1:{ev}", f"tcp://127.0.0.1:{rp}" if replay else None,
                                "both"))
             self.pubs.append(Publisher(f"tcp://127.0.0.1:{ev}", f"tcp://127.0.0.1:{rp}" if replay else None,
-                                       replay_topic=replay_topic))
+                                       replay_topic=replay_topic, buffer_steps=buffer_steps))
         self.extra = sidecar_extra
         self.sidecar = None
         if start_sidecar:
@@ -324,6 +324,66 @@ def test_history_from_before_the_sidecar_started_is_replayed(fleet, replay_topic
     assert snapshot(sc)[wid] == set(feed_blocks(a)) | set(feed_blocks(b))
 
 
+def checkpointed(sc):
+    """Waits until a checkpoint begun after this call is on disk."""
+    n = sc.metrics()["kvroute_sidecar_checkpoints_written_total"]
+    wait_for(lambda: sc.metrics()["kvroute_sidecar_checkpoints_written_total"] >= n + 2, what="a checkpoint")
+
+
+@pytest.mark.parametrize("state", [True, False], ids=["checkpoint", "none"])
+def test_a_restarted_sidecar_keeps_what_the_replay_buffer_no_longer_holds(fleet, tmp_path, state):
+    """The engine has published more batches than its replay buffer keeps (4 here, vLLM's
+    10,000) when the sidecar is killed. Restarted without a checkpoint, it can relearn only
+    the buffer's batches; with one, it resumes where it stopped and loses nothing."""
+    extra = {"state_file": str(tmp_path / "sidecar.state"), "checkpoint_interval_ms": 100} if state else {}
+    f = fleet(n=1, buffer_steps=4, sidecar_extra=extra)
+    pub, wid = f.pubs[0], f.ids[0]
+    chains = [tokens(60 + k, 2 * 16) for k in range(10)]
+    for c in chains[:8]:
+        pub.publish(batch("vllm", chain_events("vllm", c)))  # seq 0-7; the buffer keeps 4-7
+    wait_for(lambda: f.sidecar.block_count(wid) == 16, what="eight chains")
+    if state:
+        checkpointed(f.sidecar)
+    f.sidecar.stop(kill=True)
+    pub.publish(batch("vllm", chain_events("vllm", chains[8])))  # seq 8, nobody listening
+    pub.flush()
+    sc = f.start_sidecar()
+    pub.publish(batch("vllm", chain_events("vllm", chains[9])))  # seq 9
+    kept = chains if state else chains[6:]  # the buffer holds 6-9 by then
+    wait_for(lambda: snapshot(sc)[wid] == set().union(*(feed_blocks(c) for c in kept)),
+             what="every chain" if state else "the buffer's chains")
+    m = sc.metrics()
+    assert (m["kvroute_sidecar_workers_restored_total"], m["kvroute_sidecar_restores_verified_total"]) == \
+        ((1, 1) if state else (0, 0))
+    assert sum(v for k, v in m.items() if k.startswith("kvroute_sidecar_resets_total")) == 0
+
+
+def test_a_checkpoint_the_engine_does_not_confirm_is_dropped(fleet, tmp_path):
+    """The engine restarted while the sidecar was down and has published past the
+    checkpoint's sequence number: its batch there is another one, so what the checkpoint
+    held is dropped, never served, and the new history is caught up from 0."""
+    f = fleet(n=1, sidecar_extra={"state_file": str(tmp_path / "sidecar.state"), "checkpoint_interval_ms": 100})
+    pub, wid = f.pubs[0], f.ids[0]
+    old, new = [tokens(80 + k, 2 * 16) for k in range(2)], [tokens(90 + k, 2 * 16) for k in range(4)]
+    for c in old:
+        pub.publish(batch("vllm", chain_events("vllm", c)))  # seq 0-1
+    wait_for(lambda: f.sidecar.block_count(wid) == 4, what="the old chains")
+    checkpointed(f.sidecar)
+    f.sidecar.stop(kill=True)
+    endpoint, replay = f.specs[0][1], f.specs[0][2]
+    pub.close()
+    time.sleep(0.2)
+    f.pubs[0] = pub = Publisher(endpoint, replay)  # restarted: empty, counting from 0 again
+    for c in new[:3]:
+        pub.publish(batch("vllm", chain_events("vllm", c)))  # seq 0-2
+    pub.flush()
+    sc = f.start_sidecar()
+    pub.publish(batch("vllm", chain_events("vllm", new[3])))
+    wait_for(lambda: snapshot(sc)[wid] == set().union(*(feed_blocks(c) for c in new)), what="only the new chains")
+    assert metric(sc, "kvroute_sidecar_resets_total", reason="restore_unverified") == 1
+    assert sc.metrics()["kvroute_sidecar_restores_verified_total"] == 0
+
+
 def test_garbage_of_every_shape_is_counted_and_survived(fleet):
     f = fleet(n=2)
     bad, good = f.pubs
@@ -568,9 +628,10 @@ def peak_rss_mb(pid):
 def test_oversized_claims_survive_a_memory_limit(fleet):
     """Payloads whose headers claim as much as they can, at the largest size, to a sidecar
     that may map 1 GiB (it idles at ~160 MB; before the reservations were bounded, the first
-    payload asked for 9.6 GB and aborted it): counted and survived. A payload packed with
-    the smallest real events is applied as it decodes, one event at a time: the peak is the
-    two copies of the message and the idle process."""
+    payload asked for 9.6 GB and aborted it): refused before the claimed lists are read,
+    counted and survived. So is a payload packed with millions of the smallest real
+    events (over the 65,536 events a batch may hold); one at the cap is applied as it
+    decodes, one event at a time."""
     f = fleet(n=1, address_space=1 << 30)
     pub, sc, wid = f.pubs[0], f.sidecar, f.ids[0]
     # [0, [nil × 64M claimed]]: an array of events whose header claims 16M+ of them.
@@ -580,22 +641,26 @@ def test_oversized_claims_survive_a_memory_limit(fleet):
     pub.send_payload(b"\x92\x00\x91\x96\xabBlockStored\xdd" + (BIG - 20).to_bytes(4, "big") + b"\xc0" * (BIG - 20))
     pub.send_payload(b"\x92\x00\x91\x96\xabBlockStored\x90\xc0\xdd" + (BIG - 22).to_bytes(4, "big")
                      + b"\xc1" * (BIG - 22))
-    pub.flush(timeout=30)
-    wait_for(lambda: sc.metric("kvroute_sidecar_batches_bad_total") == 3, timeout=30, what="3 bad payloads")
-    # The smallest real events, as many as fit: ["BlockStored", [], nil, [], 16] (no block:
-    # vacuous) and ["AllBlocksCleared"].
+    # The smallest real events, as many as fit in 64 MiB: ["BlockStored", [], nil, [], 16]
+    # (no block: vacuous) and ["AllBlocksCleared"].
     small = msgspec.msgpack.encode(["BlockStored", [], None, [], 16])
-    count = (BIG - 16) // len(small)
-    pub.send_payload(b"\x92\x00\xdd" + count.to_bytes(4, "big") + small * count)
     clear = msgspec.msgpack.encode(["AllBlocksCleared"])
-    count_c = (BIG - 16) // len(clear)
-    pub.send_payload(b"\x92\x00\xdd" + count_c.to_bytes(4, "big") + clear * count_c)
+    for event in (small, clear):
+        count = (BIG - 16) // len(event)
+        pub.send_payload(b"\x92\x00\xdd" + count.to_bytes(4, "big") + event * count)
+    pub.flush(timeout=30)
+    wait_for(lambda: sc.metric("kvroute_sidecar_batches_bad_total") == 5, timeout=30, what="5 bad payloads")
+    assert sc.metric("kvroute_sidecar_batches_over_cap_total") == 5
+    # At the cap: applied.
+    cap = 65536
+    for event in (small, clear):
+        pub.send_payload(b"\x92\x00\xdd" + cap.to_bytes(4, "big") + event * cap)
     pub.flush(timeout=30)
     wait_for(lambda: sc.metric('kvroute_sidecar_events_total{type="AllBlocksCleared",outcome="applied"}')
-             == count_c, timeout=60, what="the packed batches applied")
-    assert sc.metric('kvroute_sidecar_events_total{type="BlockStored",outcome="applied"}') == count
+             == cap, timeout=60, what="the batches at the cap applied")
+    assert sc.metric('kvroute_sidecar_events_total{type="BlockStored",outcome="applied"}') == cap
     peak = peak_rss_mb(sc.proc.pid)
-    print(f"peak RSS after 64 MiB of the smallest BlockStored events: {peak:.0f} MB")
+    print(f"peak RSS after 64 MiB payloads: {peak:.0f} MB")
     # And it goes on: a real batch is indexed.
     pub.publish(batch("vllm", chain_events("vllm", tokens(50, 32)), dp_rank=0))
     wait_for(lambda: sc.block_count(wid) == 2, what="a real batch after the hostile ones")

@@ -212,3 +212,48 @@ fn a_new_worker_list_subscribes_joiners_and_closes_leavers() {
     assert_eq!(f.stats.workers_refused, 1);
     assert_eq!(i.streams.len(), 2);
 }
+
+/// `[ts, [], 0]`: an empty batch whose payload (and digest) differs with `ts`.
+fn empty_batch_at(ts: f64) -> Vec<u8> {
+    let mut p = empty_batch();
+    p[2..10].copy_from_slice(&ts.to_bits().to_be_bytes());
+    p
+}
+
+#[test]
+fn a_restored_rank_the_publisher_does_not_confirm_is_caught_up_by_a_fresh_replay() {
+    let config = Config::from_toml(CONFIG, &Cli::default()).unwrap();
+    let mut before = Fleet::new(&config, 1);
+    before.apply_payload(0, 0, 1, &empty_batch_at(1.0), Instant::now(), 0.0).unwrap();
+    let mut fleet = Fleet::new(&config, 2);
+    fleet.load_checkpoint(&before.checkpoint()).unwrap();
+    let specs = streams(&config);
+    let mut i =
+        Ingest::new(&config, &specs, Scripted { can_replay: true, ..Scripted::default() }, Arc::new(Mutex::new(fleet)));
+    // Restored: asks for the checkpoint's last batch.
+    assert_eq!(i.source.replays, vec![(0, 1)]);
+    // The publisher restarted and sent another batch 1: the rank is cleared and a replay
+    // from 0 asked for; what the first replay sent after that batch, read in the same
+    // poll, is not taken for the second replay's.
+    i.source.polls.push_back(vec![
+        (0, Arrival::Replay(ReplayReply::Batch(1, empty_batch_at(9.0)))),
+        (0, Arrival::Replay(ReplayReply::Batch(2, empty_batch_at(9.5)))),
+        (0, Arrival::Replay(ReplayReply::End)),
+    ]);
+    i.source.polls.push_back(
+        [0.0, 9.0, 9.5]
+            .iter()
+            .enumerate()
+            .map(|(s, ts)| (0, Arrival::Replay(ReplayReply::Batch(s as u64, empty_batch_at(*ts)))))
+            .chain([(0, Arrival::Replay(ReplayReply::End))])
+            .collect(),
+    );
+    i.turn(Duration::ZERO);
+    i.turn(Duration::ZERO);
+    assert_eq!(i.source.replays, vec![(0, 1), (0, 0)]);
+    let f = lock(&i.fleet);
+    let unverified = ResetReason::ALL.iter().position(|r| *r == ResetReason::RestoreUnverified).unwrap();
+    assert_eq!((f.stats.resets[unverified], f.stats.restores_verified, f.stats.replays_ok), (1, 0, 1));
+    // The second replay's three batches, all of them.
+    assert_eq!((f.stats.batches, f.workers[0].ranks[0].last_seq), (3, Some(2)));
+}

@@ -334,7 +334,8 @@ impl Sink for RelaySink<'_> {
             Count::Gap => &self.counters.gaps,
             Count::ReplayOk => &self.counters.replays_ok,
             Count::ReplayFailed => &self.counters.replays_failed,
-            Count::BadBatch => return, // the relay does not decode
+            // The relay does not decode, nor restore checkpoints; a duplicate is not sent on.
+            Count::BadBatch | Count::RestoreVerified | Count::Duplicate => return,
         };
         c.fetch_add(1, Ordering::Relaxed);
     }
