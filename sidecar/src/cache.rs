@@ -499,18 +499,25 @@ impl WorkerCache {
             return Err(format!("{n_ranks} ranks saved, the worker has {dp_ranks}"));
         }
         let mut cache = WorkerCache::new(n_ranks);
+        // Each table sized first (`HashTable::with_capacity` says why).
         for r in &mut cache.ranks {
             r.not_full = input.u32()?;
-            for _ in 0..input.count(24)? {
+            let n = input.count(24)?;
+            r.engine = HashTable::with_capacity(n);
+            for _ in 0..n {
                 let (k, router, copies, span) = (input.u64()?, input.u64()?, input.u32()?, input.u32()?);
                 r.engine.insert(k, EngineBlock { router, copies, span });
             }
-            for _ in 0..input.count(12)? {
+            let n = input.count(12)?;
+            r.extra_offloaded = HashTable::with_capacity(n);
+            for _ in 0..n {
                 let (k, n) = (input.u64()?, input.u32()?);
                 r.extra_offloaded.insert(k, n);
             }
         }
-        for _ in 0..input.count(24)? {
+        let n = input.count(24)?;
+        cache.blocks = HashTable::with_capacity(n);
+        for _ in 0..n {
             let (h, anchor, pos, holders, gpu_holders) =
                 (input.u64()?, input.u64()?, input.u32()?, input.u16()?, input.u16()?);
             cache.blocks.insert(h, RouterBlock { anchor, pos, holders, gpu_holders });

@@ -39,6 +39,15 @@ fn mix(k: u64) -> u64 {
 }
 
 impl<V: Copy + Default> HashTable<V> {
+    /// Room for `n` entries without growing. Filling a table in another table's order
+    /// (a checkpoint's) must start at its final size: grown along the way, each smaller
+    /// table takes the keys in the order of their home slots, piles them into one run, and
+    /// every insert probes to the end of it (1M blocks restored in 31 s instead of 0.3).
+    pub fn with_capacity(n: usize) -> Self {
+        let slots = (n * MAX_LOAD_DEN / MAX_LOAD_NUM + 1).max(MIN_SLOTS);
+        HashTable { slots: vec![(0, V::default()); slots], used: vec![0; slots.div_ceil(64)], len: 0 }
+    }
+
     pub fn len(&self) -> usize {
         self.len
     }
@@ -262,5 +271,21 @@ mod tests {
                 assert!((0.53..=0.80).contains(&load), "{} entries, load {load}", t.len());
             }
         }
+    }
+
+    #[test]
+    fn a_table_made_for_n_entries_takes_them_without_growing() {
+        let mut source = HashTable::default();
+        for k in 0..10_000u64 {
+            source.insert(k.wrapping_mul(0x9E37_79B9_7F4A_7C15), k);
+        }
+        // Filled in the source's order, as a checkpoint is read back.
+        let mut t = HashTable::with_capacity(source.len());
+        let before = t.heap_bytes();
+        for (k, v) in source.iter() {
+            t.insert(k, *v);
+        }
+        assert_eq!((t.len(), t.heap_bytes()), (10_000, before));
+        assert!(source.iter().all(|(k, v)| t.get(&k) == Some(v)));
     }
 }
