@@ -249,6 +249,7 @@ impl Sequencer {
                     if let Some(r) = self.replay.as_mut() {
                         r.verify = None;
                     }
+                    self.recent.push_back((at.seq, at.digest)); // applied, before the restart
                     sink.count(Count::RestoreVerified);
                     return;
                 }
