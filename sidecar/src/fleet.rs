@@ -437,9 +437,14 @@ impl Fleet {
             }
         };
         worker.cache = cache;
-        for (r, p) in worker.ranks.iter_mut().zip(&points) {
+        for (rank, (r, p)) in worker.ranks.iter_mut().zip(&points).enumerate() {
             r.last_seq = p.map(|p| p.seq);
             r.last_digest = p.map(|p| p.digest);
+            // Nothing can confirm what a rank without a resume point holds (caught between
+            // a batch that broke partway and its clear): it starts empty.
+            if p.is_none() {
+                worker.cache.clear_rank(rank, &mut Vec::new());
+            }
         }
         let mut changes: Vec<Change> = worker
             .cache
@@ -853,10 +858,13 @@ mod tests {
         assert_eq!(h.load_checkpoint(&g.checkpoint()), Ok(2));
         assert_eq!(h.restore_worker(1), [Some(ResumePoint { seq: 8, digest: checkpoint::payload_digest(&p1) })]);
         assert_eq!(held(&h, 1), held(&f, 1));
-        // A rank with no batch yet has no resume point.
+        // A rank with no whole batch applied has no resume point, and starts empty.
+        let mut partial = fleet(1000);
+        partial.apply_batch(0, 0, 0, &batch(vec![stored(&[1, 2], None, 0)]), now, 0.0); // no payload digest
         let mut e = fleet(1000);
-        e.load_checkpoint(&fleet(1000).checkpoint()).unwrap();
+        e.load_checkpoint(&partial.checkpoint()).unwrap();
         assert_eq!(e.restore_worker(0), [None]);
+        assert_eq!(e.workers[0].cache.block_count(), 0);
 
         // A worker that now has another number of ranks starts empty (counted); a file
         // for another block size is refused whole.
