@@ -116,7 +116,8 @@ def render_config(workers, feed_port, filter_config=None, sync_config=None,
             "typed_config": {"@type": "type.googleapis.com/" + name}}}]}
         if policy == "ring_hash":
             routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
-            inference = next(r for r in routes if r["route"]["cluster"] == "workers")
+            # (Routes with a direct_response, such as the admin 404, have no "route".)
+            inference = next(r for r in routes if r.get("route", {}).get("cluster") == "workers")
             inference["route"]["hash_policy"] = [{"header": {"header_name": PREFIX_HASH_HEADER}}]
     for c in cfg["static_resources"]["clusters"]:
         if c["name"] == "workers" and eds:
