@@ -147,6 +147,24 @@ fn main() {
         let sel = u8::from(case["endpoint"].as_str() != Some("completions"));
         put("stage_request", Some(sel), serde_json::to_string(&case["request"]).expect("json").as_bytes());
     }
+    // text_ids: the golden requests' text prompts and messages, and ASCII of every kind.
+    for case in vectors["cases"].as_array().expect("cases") {
+        let r = &case["request"];
+        let texts = r["prompt"]
+            .as_str()
+            .into_iter()
+            .chain(r["messages"].as_array().into_iter().flatten().filter_map(|m| m["content"].as_str()));
+        for t in texts {
+            put("text_ids", None, t.as_bytes());
+        }
+    }
+    for t in [
+        "It's the user's   turn: they'RE here, I'M done, she'LL see.\n\n  indented\n\treturn foo_bar(1234567);\r\n",
+        "x = [12345, 3.14159]; if (a && b) { return -1; }  \x0b\x0c\x1c\x00\x7f ' 'll '",
+        "================================================================================================",
+    ] {
+        put("text_ids", None, t.as_bytes());
+    }
     // checkpoint: the fleet's checkpoint (as a body, which the check seals) before any
     // event, and after the engines' own kv_events seeds and chains of engine blocks were
     // applied across its ranks.

@@ -15,6 +15,7 @@ pub mod kv_events;
 pub mod shared_layouts;
 pub mod sidecar_config;
 pub mod stage_request;
+pub mod text_ids;
 pub mod token_header;
 
 /// A fuzz target's check: panics on a broken invariant.
@@ -30,6 +31,7 @@ pub const TARGETS: &[(&str, Check)] = &[
     ("sidecar_config", sidecar_config::check),
     ("stage_request", stage_request::check),
     ("checkpoint", checkpoint::check),
+    ("text_ids", text_ids::check),
 ];
 
 /// Splits `data` at its first byte: a selector (for targets that cover several decoders or
@@ -39,4 +41,14 @@ pub(crate) fn selector(data: &[u8]) -> (u8, &[u8]) {
         Some((s, rest)) => (*s, rest),
         None => (0, data),
     }
+}
+
+/// The real Qwen3 tokenizer's folder (`scripts/fetch-tokenizer.sh`), or the one in
+/// `KVROUTE_TEST_TOKENIZER`.
+pub(crate) fn qwen3_dir() -> std::path::PathBuf {
+    let path = std::env::var_os("KVROUTE_TEST_TOKENIZER")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/tokenizers/qwen3"));
+    assert!(path.join("tokenizer.json").exists(), "{}: run scripts/fetch-tokenizer.sh", path.display());
+    path
 }

@@ -11,7 +11,6 @@
 
 use kvroute_tokenizer::model::ModelSpec;
 use kvroute_tokenizer::stage::{Endpoint, Stage};
-use std::path::PathBuf;
 use std::sync::OnceLock;
 
 /// The model the stage serves, with one LoRA adapter so `model` can name either (as the
@@ -27,10 +26,7 @@ struct Stages {
 fn stages() -> &'static Stages {
     static STAGES: OnceLock<Stages> = OnceLock::new();
     STAGES.get_or_init(|| {
-        let path = std::env::var_os("KVROUTE_TEST_TOKENIZER")
-            .map(PathBuf::from)
-            .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/tokenizers/qwen3"));
-        assert!(path.join("tokenizer.json").exists(), "{}: run scripts/fetch-tokenizer.sh", path.display());
+        let path = crate::qwen3_dir();
         let spec = |cache_bytes| ModelSpec {
             name: MODEL.into(),
             path: path.clone(),

@@ -4,6 +4,7 @@
 //!
 //! - [`model`]: one model's tokenizer directory, and vLLM's text → ids rules
 //! - [`segments`]: token ids cached per segment between added tokens
+//! - [`ascii_bpe`]: byte-level BPE of ASCII text without HF `tokenizers`, for a cold text
 //! - [`template`]: chat templates rendered as transformers renders them ([`pyjson`]: `tojson`)
 //! - [`chat`]: a chat request's prompt text, as vLLM prepares it
 //! - [`stage`]: a request body → [`stage::Prompt`] or a counted [`stage::Skip`]
@@ -12,6 +13,7 @@
 //! - [`http`]: `/tokenize` in vLLM's shape, `/metrics`, `/healthz`
 //! - [`selfcheck`]: the startup comparison with a worker's own `/tokenize`
 
+pub mod ascii_bpe;
 pub mod chat;
 pub mod config;
 pub mod extproc;

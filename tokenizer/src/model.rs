@@ -132,6 +132,9 @@ impl Model {
         } else if !segmenter.chunked() {
             log::info!("model {}: long segments are cached whole, not in chunks (its pre-tokenizer)", spec.name);
         }
+        if let Err(why) = segmenter.ascii_encoder() {
+            log::info!("model {}: ASCII text is tokenized by HF tokenizers ({why})", spec.name);
+        }
         let server_template = spec.chat_template.clone();
         Ok(Model {
             name: spec.name.clone(),

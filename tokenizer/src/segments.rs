@@ -18,7 +18,12 @@
 //! GPT-4-style split of Qwen2/3 and Llama 3 ([`chunk_safe`]), under a normalizer that
 //! leaves ASCII alone; BPE then never merges across it. Other tokenizers keep whole
 //! segments. The probe checks chunks too.
+//!
+//! A piece or chunk not in the cache is tokenized by the stage's ASCII encoder
+//! ([`crate::ascii_bpe`]) when it is ASCII and the tokenizer is one that encoder
+//! reproduces (checked at load on probe texts), else by HF `tokenizers`.
 
+use crate::ascii_bpe::{AsciiBpe, GPT4_SPLITS};
 use aho_corasick::{AhoCorasick, AhoCorasickBuilder, MatchKind};
 use kvroute_serve::lock;
 use lru::LruCache;
@@ -32,14 +37,6 @@ const ENTRY_OVERHEAD: usize = 96;
 /// 2k-token prefix is ~35 lookups and a text that diverges retokenizes ~1 chunk of it.
 pub const CHUNK_BYTES: usize = 256;
 
-/// Pre-tokenizer split patterns under which `word| word` is a pre-token boundary.
-const CHUNK_SAFE_SPLITS: [&str; 2] = [
-    // Qwen2, Qwen2.5, Qwen3
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
-    // Llama 3 (cl100k-style, digits in threes)
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
-];
-
 /// Splits text on a tokenizer's added tokens and caches the pieces' token ids.
 pub struct Segmenter {
     /// The added tokens, leftmost-longest, as `AddedVocabulary` matches them; `None`: the
@@ -47,6 +44,9 @@ pub struct Segmenter {
     matcher: Option<(AhoCorasick, Vec<u32>)>,
     /// Segments are cut into chunks ([`chunk_safe`]).
     chunked: bool,
+    /// Chunks of ASCII text encoded without HF `tokenizers` ([`crate::ascii_bpe`]); or why
+    /// not.
+    ascii: Result<AsciiBpe, String>,
     cache: Mutex<Cache>,
 }
 
@@ -56,6 +56,8 @@ struct Cache {
     cap: usize,
     hits: u64,
     misses: u64,
+    /// Misses the ASCII encoder tokenized (the rest went to HF).
+    ascii: u64,
 }
 
 /// What the cache holds and has done.
@@ -65,6 +67,8 @@ pub struct CacheStats {
     pub bytes: usize,
     pub hits: u64,
     pub misses: u64,
+    /// Of `misses`, the pieces the ASCII encoder tokenized; HF tokenized the others.
+    pub ascii: u64,
 }
 
 fn entry_bytes(key: &str, ids: &[u32]) -> usize {
@@ -75,19 +79,31 @@ impl Segmenter {
     /// `cap_bytes`: the cache's memory bound (0: no cache). Why a tokenizer cannot be
     /// segmented comes back as the second value.
     pub fn new(tok: &Tokenizer, cap_bytes: usize) -> (Segmenter, Option<String>) {
-        let cache = Mutex::new(Cache { map: LruCache::unbounded(), bytes: 0, cap: cap_bytes, hits: 0, misses: 0 });
+        let cache =
+            Mutex::new(Cache { map: LruCache::unbounded(), bytes: 0, cap: cap_bytes, hits: 0, misses: 0, ascii: 0 });
         let (matcher, why_not) = match segment_safe(tok) {
             Ok(m) => (Some(m), None),
             Err(why) => (None, Some(why)),
         };
         let chunked = matcher.is_some() && chunk_safe(tok).is_ok();
-        let s = Segmenter { matcher, chunked, cache };
+        let ascii = if chunked {
+            AsciiBpe::new(tok).and_then(|a| probe_ascii(&a, tok).map(|()| a))
+        } else {
+            Err("segments are not chunked".into())
+        };
+        let s = Segmenter { matcher, chunked, ascii, cache };
         if s.matcher.is_some() {
             if let Err(why) = s.probe(tok) {
-                return (Segmenter { matcher: None, chunked: false, ..s }, Some(why));
+                let ascii = Err("segments are not cached".into());
+                return (Segmenter { matcher: None, chunked: false, ascii, ..s }, Some(why));
             }
         }
         (s, why_not)
+    }
+
+    /// Whether ASCII chunks are encoded without HF `tokenizers`, or why not.
+    pub fn ascii_encoder(&self) -> Result<(), &str> {
+        self.ascii.as_ref().map(|_| ()).map_err(String::as_str)
     }
 
     pub fn segmented(&self) -> bool {
@@ -144,9 +160,15 @@ impl Segmenter {
             c.misses += 1;
         }
         // Tokenized outside the lock: other requests go on meanwhile.
-        let ids = encode_plain(tok, piece)?;
+        let ascii = self.ascii.as_ref().ok().and_then(|a| a.encode(piece));
+        let by_ascii = ascii.is_some();
+        let ids = match ascii {
+            Some(ids) => ids,
+            None => encode_plain(tok, piece)?,
+        };
         out.extend_from_slice(&ids);
         let mut c = lock(&self.cache);
+        c.ascii += u64::from(by_ascii);
         let size = entry_bytes(piece, &ids);
         if size <= c.cap && !c.map.contains(piece) {
             c.bytes += size;
@@ -161,7 +183,7 @@ impl Segmenter {
 
     pub fn stats(&self) -> CacheStats {
         let c = lock(&self.cache);
-        CacheStats { entries: c.map.len(), bytes: c.bytes, hits: c.hits, misses: c.misses }
+        CacheStats { entries: c.map.len(), bytes: c.bytes, hits: c.hits, misses: c.misses, ascii: c.ascii }
     }
 
     /// Encodes a text with added tokens and long segments in it both ways; they must agree.
@@ -188,7 +210,7 @@ impl Segmenter {
         let whole = encode_plain(tok, &text)?;
         let mut c = lock(&self.cache);
         c.map.clear();
-        (c.bytes, c.hits, c.misses) = (0, 0, 0);
+        (c.bytes, c.hits, c.misses, c.ascii) = (0, 0, 0, 0);
         if segmented == whole {
             Ok(())
         } else {
@@ -239,13 +261,35 @@ fn chunk_safe(tok: &Tokenizer) -> Result<(), String> {
         if split["type"] == "Split"
             && split["behavior"] == "Isolated"
             && split["invert"] == false
-            && CHUNK_SAFE_SPLITS.contains(&pattern)
+            && GPT4_SPLITS.iter().any(|(p, _)| *p == pattern)
             && byte_level(bytes, false)
         {
             return Ok(());
         }
     }
     Err("a pre-tokenizer not known to split at word| word".into())
+}
+
+/// Texts with every kind of ASCII pre-token and the places the split pattern backtracks:
+/// the ASCII encoder must agree with HF on all of them before it is used.
+fn probe_ascii(ascii: &AsciiBpe, tok: &Tokenizer) -> Result<(), String> {
+    const PROBES: [&str; 8] = [
+        "It's the user's   turn: they'RE here, we'VE gone, I'M done, she'LL see, he'D know, 'tis.",
+        "x = [12345, 3.14159, 0x7f]; if (a && b) { return -1; }\n\treturn foo_bar(baz);\r\n",
+        "  leading spaces, trailing spaces   \n\n\n  indented\n    more indented\n\t\ttabs \x0b\x0c end",
+        "Hello,world!!! What?! ... --- *** ### @user #tag $100 50% ~home `code` \\path/to/file",
+        "\x00\x01\x1b[31mred\x1b[0m \x1c\x1d\x1e\x1f \x7f del '' ' s 'll '",
+        "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa",
+        "                                                                                !",
+        " the quick brown fox jumps over the lazy dog THE QUICK BROWN FOX 0123456789",
+    ];
+    for p in PROBES {
+        let want = encode_plain(tok, p)?;
+        if ascii.encode(p).as_ref() != Some(&want) {
+            return Err(format!("it encodes the probe {p:?} differently from HF"));
+        }
+    }
+    Ok(())
 }
 
 fn encode_plain(tok: &Tokenizer, text: &str) -> Result<Vec<u32>, String> {

@@ -151,6 +151,12 @@ impl Stats {
         let _ = writeln!(o, "kvroute_tokenizer_latency_seconds_count {n}");
         head(&mut o, "kvroute_tokenizer_segment_cache", "gauge", "The per-model segment cache: entries, bytes.");
         head(&mut o, "kvroute_tokenizer_segment_lookups_total", "counter", "Segment cache lookups, by result.");
+        head(
+            &mut o,
+            "kvroute_tokenizer_segments_encoded_total",
+            "counter",
+            "Segment cache misses tokenized, by the stage's ASCII encoder or by HF tokenizers.",
+        );
         for m in stage.models() {
             let s = m.cache_stats();
             let model = m.name.replace('"', "");
@@ -163,6 +169,9 @@ impl Stats {
                 "kvroute_tokenizer_segment_lookups_total{{model=\"{model}\",result=\"miss\"}} {}",
                 s.misses
             );
+            for (by, n) in [("ascii", s.ascii), ("hf", s.misses.saturating_sub(s.ascii))] {
+                let _ = writeln!(o, "kvroute_tokenizer_segments_encoded_total{{model=\"{model}\",by=\"{by}\"}} {n}");
+            }
         }
         o
     }

@@ -3,6 +3,7 @@
 
 mod common;
 
+use common::Rng;
 use kvroute_tokenizer::model::{Model, ModelSpec};
 use kvroute_tokenizer::segments::CHUNK_BYTES;
 
@@ -16,18 +17,6 @@ fn qwen3(cache_bytes: usize) -> Model {
         cache_bytes,
     })
     .unwrap()
-}
-
-/// xorshift: the same texts every run.
-struct Rng(u64);
-
-impl Rng {
-    fn below(&mut self, n: usize) -> usize {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        (self.0 % n as u64) as usize
-    }
 }
 
 /// Text of every kind of pre-token, cut points and near misses alike: words after one or
@@ -131,4 +120,19 @@ fn cached_and_unseen_pieces_of_one_text_keep_their_order() {
         let after = model.cache_stats();
         assert!(after.hits - before.hits >= (seen.len() / CHUNK_BYTES) as u64 - 1, "{before:?} -> {after:?}");
     }
+}
+
+#[test]
+fn ascii_chunks_are_encoded_by_the_stage_and_the_rest_by_hf() {
+    let model = qwen3(64 << 20);
+    model.encode_unbounded(&" plain ascii words".repeat(100), false).unwrap();
+    let ascii = model.cache_stats();
+    assert!(ascii.misses > 1 && ascii.ascii == ascii.misses, "{ascii:?}");
+    let mixed = " naïve café".repeat(100);
+    assert_eq!(
+        model.encode_unbounded(&mixed, false).unwrap(),
+        model.tokenizer().encode_fast(mixed.as_str(), false).unwrap().get_ids().to_vec()
+    );
+    let after = model.cache_stats();
+    assert!(after.misses > ascii.misses && after.ascii == ascii.ascii, "{ascii:?} -> {after:?}");
 }

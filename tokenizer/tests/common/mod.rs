@@ -1,4 +1,5 @@
-//! What the tokenizer's integration tests share: the real Qwen3 tokenizer's folder.
+//! What the tokenizer's integration tests share: the real Qwen3 tokenizer's folder, and
+//! seeded random texts.
 
 use std::path::PathBuf;
 
@@ -16,4 +17,18 @@ pub fn qwen3_dir() -> PathBuf {
         dir.display()
     );
     dir
+}
+
+/// xorshift: the same texts every run.
+#[allow(dead_code)] // (not every test file draws texts)
+pub struct Rng(pub u64);
+
+#[allow(dead_code)]
+impl Rng {
+    pub fn below(&mut self, n: usize) -> usize {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        (self.0 % n as u64) as usize
+    }
 }
