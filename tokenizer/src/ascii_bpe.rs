@@ -221,37 +221,50 @@ impl AsciiBpe {
 }
 
 /// The digit run length of `tok`'s pre-tokenizer, if its pipeline is a GPT-4-style split
-/// then byte level, under a normalizer that leaves ASCII alone; else why not.
+/// then byte level (no prefix space), under a normalizer that leaves ASCII alone; else why
+/// not.
 fn split_digits(tok: &Tokenizer) -> Result<usize, String> {
+    keeps_ascii(tok)?;
+    match gpt4_split(&pre_tokenizer_json(tok)?) {
+        Some((digits, Some(false))) => Ok(digits),
+        _ => Err("a pre-tokenizer other than a GPT-4-style split then byte level".into()),
+    }
+}
+
+/// Whether `tok`'s normalizer leaves ASCII as it is: none, or a Unicode normal form (which
+/// also never composes across an ASCII space); else which one it is.
+pub(crate) fn keeps_ascii(tok: &Tokenizer) -> Result<(), String> {
     let normalizer = match tok.get_normalizer() {
         Some(n) => serde_json::to_value(n).map_err(|e| e.to_string())?,
-        None => Value::Null,
+        None => return Ok(()),
     };
-    if !(normalizer.is_null() || ["NFC", "NFD", "NFKC", "NFKD"].iter().any(|f| normalizer["type"] == *f)) {
-        return Err(format!("normalizer {}", normalizer["type"]));
+    if ["NFC", "NFD", "NFKC", "NFKD"].iter().any(|f| normalizer["type"] == *f) {
+        return Ok(());
     }
-    let pre = match tok.get_pre_tokenizer() {
-        Some(p) => serde_json::to_value(p).map_err(|e| e.to_string())?,
-        None => return Err("no pre-tokenizer".into()),
-    };
-    if let (Some("Sequence"), Some([split, bytes])) =
+    Err(format!("normalizer {}", normalizer["type"]))
+}
+
+/// `tok`'s pre-tokenizer as `tokenizer.json` writes it.
+pub(crate) fn pre_tokenizer_json(tok: &Tokenizer) -> Result<Value, String> {
+    match tok.get_pre_tokenizer() {
+        Some(p) => serde_json::to_value(p).map_err(|e| e.to_string()),
+        None => Err("no pre-tokenizer".into()),
+    }
+}
+
+/// If `pre` is a split by one of [`GPT4_SPLITS`] (isolated) then byte level without a
+/// regex of its own: the split's digit run, and the byte level's `add_prefix_space`.
+pub(crate) fn gpt4_split(pre: &Value) -> Option<(usize, Option<bool>)> {
+    let (Some("Sequence"), Some([split, bytes])) =
         (pre["type"].as_str(), pre["pretokenizers"].as_array().map(Vec::as_slice))
-    {
-        let pattern = split["pattern"]["Regex"].as_str().unwrap_or("");
-        let found = GPT4_SPLITS.iter().find(|(p, _)| *p == pattern);
-        if let Some((_, digits)) = found {
-            if split["type"] == "Split"
-                && split["behavior"] == "Isolated"
-                && split["invert"] == false
-                && bytes["type"] == "ByteLevel"
-                && bytes["use_regex"] == false
-                && bytes["add_prefix_space"] == false
-            {
-                return Ok(*digits);
-            }
-        }
-    }
-    Err("a pre-tokenizer other than a GPT-4-style split then byte level".into())
+    else {
+        return None;
+    };
+    let pattern = split["pattern"]["Regex"].as_str()?;
+    let (_, digits) = GPT4_SPLITS.iter().find(|(p, _)| *p == pattern)?;
+    let isolated = split["type"] == "Split" && split["behavior"] == "Isolated" && split["invert"] == false;
+    let byte_level = bytes["type"] == "ByteLevel" && bytes["use_regex"] == false;
+    (isolated && byte_level).then(|| (*digits, bytes["add_prefix_space"].as_bool()))
 }
 
 fn letter(c: u8) -> bool {

@@ -23,7 +23,7 @@
 //! ([`crate::ascii_bpe`]) when it is ASCII and the tokenizer is one that encoder
 //! reproduces (checked at load on probe texts), else by HF `tokenizers`.
 
-use crate::ascii_bpe::{AsciiBpe, GPT4_SPLITS};
+use crate::ascii_bpe::{gpt4_split, keeps_ascii, pre_tokenizer_json, AsciiBpe};
 use aho_corasick::{AhoCorasick, AhoCorasickBuilder, MatchKind};
 use kvroute_serve::lock;
 use lru::LruCache;
@@ -236,36 +236,12 @@ fn next_cut(text: &str) -> Option<usize> {
 
 /// Whether `word| word` is a pre-token boundary for this tokenizer (module docs).
 fn chunk_safe(tok: &Tokenizer) -> Result<(), String> {
-    use serde_json::Value;
-    let normalizer = match tok.get_normalizer() {
-        Some(n) => serde_json::to_value(n).map_err(|e| e.to_string())?,
-        None => Value::Null,
-    };
-    // Unicode normal forms leave ASCII as it is and never compose across an ASCII space.
-    let forms = ["NFC", "NFD", "NFKC", "NFKD"];
-    if !(normalizer.is_null() || forms.iter().any(|f| normalizer["type"] == *f)) {
-        return Err(format!("normalizer {}", normalizer["type"]));
-    }
-    let pre = match tok.get_pre_tokenizer() {
-        Some(p) => serde_json::to_value(p).map_err(|e| e.to_string())?,
-        None => return Err("no pre-tokenizer".into()),
-    };
-    let byte_level = |v: &Value, regex: bool| v["type"] == "ByteLevel" && v["use_regex"] == regex;
-    if byte_level(&pre, true) {
+    keeps_ascii(tok)?;
+    let pre = pre_tokenizer_json(tok)?;
+    // GPT-2's byte-level regex, or a GPT-4-style split before a byte level without one.
+    let gpt2 = pre["type"] == "ByteLevel" && pre["use_regex"] == true;
+    if gpt2 || gpt4_split(&pre).is_some() {
         return Ok(());
-    }
-    if let (Some("Sequence"), Some([split, bytes])) =
-        (pre["type"].as_str(), pre["pretokenizers"].as_array().map(Vec::as_slice))
-    {
-        let pattern = split["pattern"]["Regex"].as_str().unwrap_or("");
-        if split["type"] == "Split"
-            && split["behavior"] == "Isolated"
-            && split["invert"] == false
-            && GPT4_SPLITS.iter().any(|(p, _)| *p == pattern)
-            && byte_level(bytes, false)
-        {
-            return Ok(());
-        }
     }
     Err("a pre-tokenizer not known to split at word| word".into())
 }
