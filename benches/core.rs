@@ -72,6 +72,7 @@ fn ranking(c: &mut Criterion) {
             offload_hit_credit: 0.5,
             wait_slack_per_hit: Some(0.5),
             holder_tie_per_hit: Some(0.25),
+            holder_tie_load_slack: None,
         };
         g.bench_with_input(BenchmarkId::new("workers", workers), &cands, |b, cands| {
             b.iter(|| rank(black_box(cands), weights, 128, 42, &mut out))

@@ -95,6 +95,7 @@ struct RawFilterConfig {
     prefill_load_weight: f64,
     wait_slack_per_hit: Option<f64>,
     holder_tie_per_hit: Option<f64>,
+    holder_tie_load_slack: Option<f64>,
 }
 
 impl Default for RawFilterConfig {
@@ -124,6 +125,7 @@ impl Default for RawFilterConfig {
             prefill_load_weight: DEFAULT_PREFILL_LOAD_WEIGHT,
             wait_slack_per_hit: Some(DEFAULT_WAIT_SLACK_PER_HIT),
             holder_tie_per_hit: Some(DEFAULT_HOLDER_TIE_PER_HIT),
+            holder_tie_load_slack: None,
         }
     }
 }
@@ -176,6 +178,11 @@ pub struct FilterConfig {
     /// The holder tie ([`crate::score`]): the blocks of extra cost each extra cache hit may
     /// buy when the request would start its prefill no later on the holder. `None`: no tie.
     pub holder_tie_per_hit: Option<f64>,
+    /// The holder tie's load test ([`crate::score`]): a holder whose in-flight blocks exceed
+    /// the cheapest worker's by at most this many times the request's blocks ties whatever
+    /// its cost. `None` (the default): the cost test alone. No effect without
+    /// `holder_tie_per_hit`.
+    pub holder_tie_load_slack: Option<f64>,
 }
 
 /// Loading a block back from CPU memory is several times cheaper than recomputing it but
@@ -226,6 +233,8 @@ impl FilterConfig {
         let prefill_load_weight = weight("prefill_load_weight", raw.prefill_load_weight)?;
         let wait_slack_per_hit = raw.wait_slack_per_hit.map(|v| weight("wait_slack_per_hit", v)).transpose()?;
         let holder_tie_per_hit = raw.holder_tie_per_hit.map(|v| weight("holder_tie_per_hit", v)).transpose()?;
+        let holder_tie_load_slack =
+            raw.holder_tie_load_slack.map(|v| weight("holder_tie_load_slack", v)).transpose()?;
         let overlap_weight = weight("overlap_weight", raw.overlap_weight)?;
         let prefill = match raw.prefill_overlap_weight {
             Some(v) => weight("prefill_overlap_weight", v)?,
@@ -287,6 +296,7 @@ impl FilterConfig {
             prefill_load_weight,
             wait_slack_per_hit,
             holder_tie_per_hit,
+            holder_tie_load_slack,
         })
     }
 
@@ -413,6 +423,9 @@ mod tests {
         assert_eq!(c.holder_tie_per_hit, Some(DEFAULT_HOLDER_TIE_PER_HIT));
         let untied = FilterConfig::from_json(br#"{"holder_tie_per_hit": null}"#).unwrap();
         assert_eq!(untied.holder_tie_per_hit, None);
+        assert_eq!(c.holder_tie_load_slack, None);
+        let load_test = FilterConfig::from_json(br#"{"holder_tie_load_slack": 1}"#).unwrap();
+        assert_eq!(load_test.holder_tie_load_slack, Some(1.0));
         assert_eq!(c.destination_via, DestinationVia::Header);
         let native = FilterConfig::from_json(br#"{"destination_via": "upstream_override"}"#).unwrap();
         assert_eq!(native.destination_via, DestinationVia::UpstreamOverride);
@@ -451,6 +464,8 @@ mod tests {
             (r#"{"wait_slack_per_hit": "some"}"#, "invalid type"),
             (r#"{"holder_tie_per_hit": -1}"#, "holder_tie_per_hit"),
             (r#"{"holder_tie_per_hit": "yes"}"#, "invalid type"),
+            (r#"{"holder_tie_load_slack": -1}"#, "holder_tie_load_slack"),
+            (r#"{"holder_tie_load_slack": 1e7}"#, "holder_tie_load_slack"),
             (r#"{"active_blocks": "current"}"#, "unknown variant"),
             (r#"{"destination_via": "cookie"}"#, "unknown variant"),
             (r#"[1]"#, "invalid"),

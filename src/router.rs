@@ -429,6 +429,7 @@ impl Router {
             // for none.
             wait_slack_per_hit: self.cfg.wait_slack_per_hit.filter(|_| prefills),
             holder_tie_per_hit: self.cfg.holder_tie_per_hit.filter(|_| prefills),
+            holder_tie_load_slack: self.cfg.holder_tie_load_slack.filter(|_| prefills),
         };
         rank(&self.candidates, weights, request_blocks, r.key, &mut self.scored)
     }

@@ -37,6 +37,14 @@
 //! with the most hits. Decode load stays priced: a holder far busier decoding costs far
 //! more than τ per hit.
 //!
+//! The holder tie's load test (`holder_tie_load_slack`, k; off by default): a holder also
+//! ties, its cost aside, when its in-flight blocks exceed the cheapest's by at most k × the
+//! request's blocks (at k 1, one more request like this one). It covers a holder busy with
+//! one other request of the same size, which costs about that request's blocks more than
+//! an idle worker (128 more for 128 extra hits with a 128-block prefix in 192-block
+//! requests, four times τ 0.25). It keeps more hits on hot prefixes at the cost of their
+//! tail latency and the agentic loop's (docs/benchmarks.md, "The holder tie's load test").
+//!
 //! Ties, in order: more cache hits (a tie between locality and load goes to locality,
 //! which is cheaper in prefill), then the lowest rendezvous hash of (request key, worker)
 //! — deterministic for a given request, and spread evenly over workers across requests,
@@ -89,6 +97,9 @@ pub struct Weights {
     pub wait_slack_per_hit: Option<f64>,
     /// τ of the holder tie (module docs); `None`: no tie.
     pub holder_tie_per_hit: Option<f64>,
+    /// k of the holder tie (module docs), in the request's blocks; `None`: the cost test
+    /// alone.
+    pub holder_tie_load_slack: Option<f64>,
 }
 
 /// The specification's cost function.
@@ -160,13 +171,17 @@ pub fn rank(
         outcome.spilled = true;
     }
     if let (Some(tau), Some(best)) = (weights.holder_tie_per_hit, out.first().copied()) {
+        let load_reach = weights
+            .holder_tie_load_slack
+            .map(|k| f64::from(best.candidate.active_blocks) + k * f64::from(request_blocks));
         let hits = |s: &Scored| s.candidate.effective_hits(offload_hit_credit);
         let ties = |s: &Scored| {
             let more = hits(s) - hits(&best);
             more > 0.0
                 && admissible(s)
                 && s.candidate.wait.saturating_sub(s.candidate.own_prefill) <= best.candidate.wait
-                && s.cost <= best.cost + tau * more
+                && (s.cost <= best.cost + tau * more
+                    || load_reach.is_some_and(|reach| f64::from(s.candidate.active_blocks) <= reach))
         };
         // The most hits; among equals the earliest, i.e. the cheapest.
         let holder = out
@@ -203,7 +218,14 @@ mod tests {
     }
 
     fn w(overlap: f64, offload_hit_credit: f64) -> Weights {
-        Weights { overlap, prefill_load: 0.0, offload_hit_credit, wait_slack_per_hit: None, holder_tie_per_hit: None }
+        Weights {
+            overlap,
+            prefill_load: 0.0,
+            offload_hit_credit,
+            wait_slack_per_hit: None,
+            holder_tie_per_hit: None,
+            holder_tie_load_slack: None,
+        }
     }
 
     /// The specification's worked example: a 10-block prompt, weight 1.0.
@@ -278,6 +300,7 @@ mod tests {
             offload_hit_credit: 0.5,
             wait_slack_per_hit: None,
             holder_tie_per_hit: None,
+            holder_tie_load_slack: None,
         };
         rank(&[w0, w1], weights, 10, 0, &mut out);
         assert_eq!((out[0].candidate.slot, out[0].cost, out[1].cost), (1, 4.0, 24.0));
@@ -299,6 +322,7 @@ mod tests {
             offload_hit_credit: 0.5,
             wait_slack_per_hit: None,
             holder_tie_per_hit: None,
+            holder_tie_load_slack: None,
         };
         // The cost alone: 64 + 400 against 192 + 500, the holder.
         assert!(!rank(&[cold, holder], off, 192, 0, &mut out).spilled);
@@ -333,6 +357,7 @@ mod tests {
             offload_hit_credit: 0.5,
             wait_slack_per_hit: Some(0.5),
             holder_tie_per_hit: Some(0.25),
+            holder_tie_load_slack: None,
         }
     }
 
@@ -350,6 +375,35 @@ mod tests {
         let r = rank(&copy_case(), Weights { holder_tie_per_hit: Some(0.05), ..shipped() }, 132, 0, &mut out);
         assert!(!r.kept_on_holder);
         assert_eq!(out[0].candidate.slot, 0);
+    }
+
+    #[test]
+    fn the_load_test_keeps_a_holder_one_request_ahead_in_load() {
+        // 192-block requests with a 128-block prefix: the holder prefills one other
+        // request (192 blocks in flight and queued), the other worker is idle. Costs 704
+        // against 576: 128 more, beyond τ × 128 = 32; the waits 256 and 192 (the wait limit
+        // admits 192 + 0.5 × 128). In flight with the request: 384 against 192, one
+        // request's blocks more — within k = 1.
+        let idle = Candidate { wait: 192, own_prefill: 192, pending_prefill: 192, ..cand(0, 0, 192) };
+        let holder = Candidate { wait: 256, own_prefill: 64, pending_prefill: 256, ..cand(1, 128, 384) };
+        let mut out = Vec::new();
+        // Shipped (the cost test alone): the cost decides.
+        assert!(!rank(&[idle, holder], shipped(), 192, 0, &mut out).kept_on_holder);
+        assert_eq!((out[0].candidate.slot, out[0].cost, out[1].cost), (0, 576.0, 704.0));
+        let k1 = Weights { holder_tie_load_slack: Some(1.0), ..shipped() };
+        let r = rank(&[idle, holder], k1, 192, 0, &mut out);
+        assert_eq!(r, RankOutcome { spilled: false, kept_on_holder: true });
+        assert_eq!(out[0].candidate.slot, 1);
+        // k = 0.5: half a request of slack is not enough.
+        let half = Weights { holder_tie_load_slack: Some(0.5), ..shipped() };
+        assert!(!rank(&[idle, holder], half, 192, 0, &mut out).kept_on_holder);
+        // A second request decoding on the holder: two requests ahead, passed by.
+        let busier = Candidate { active_blocks: 576, ..holder };
+        assert!(!rank(&[idle, busier], k1, 192, 0, &mut out).kept_on_holder);
+        assert_eq!(out[0].candidate.slot, 0);
+        // The load test does not stand in for the tie's other conditions: none without τ.
+        let untied = Weights { holder_tie_per_hit: None, ..k1 };
+        assert!(!rank(&[idle, holder], untied, 192, 0, &mut out).kept_on_holder);
     }
 
     #[test]
@@ -415,6 +469,7 @@ mod tests {
             offload_hit_credit: 0.5,
             wait_slack_per_hit: Some(0.5),
             holder_tie_per_hit: None,
+            holder_tie_load_slack: None,
         };
         assert!(rank(&all, weights, 10, 0, &mut out).spilled);
         let order: Vec<usize> = out.iter().map(|s| s.candidate.slot).collect();
@@ -436,6 +491,7 @@ mod tests {
             offload_hit_credit: 0.5,
             wait_slack_per_hit: Some(0.5),
             holder_tie_per_hit: None,
+            holder_tie_load_slack: None,
         };
         assert!(!rank(&[holder, cold], weights, 144, 0, &mut out).spilled);
         assert_eq!(out[0].candidate.slot, 1);

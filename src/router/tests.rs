@@ -80,7 +80,8 @@ fn with_active(active: &[u32]) -> LoadVector {
 }
 
 /// The specification's formula read literally.
-const LITERAL: &str = r#""active_blocks": "in_flight", "prefill_load_weight": 0, "wait_slack_per_hit": null"#;
+const LITERAL: &str =
+    r#""active_blocks": "in_flight", "prefill_load_weight": 0, "wait_slack_per_hit": null, "holder_tie_per_hit": null"#;
 
 fn cfg(json: &str) -> FilterConfig {
     FilterConfig::from_json(json.as_bytes()).unwrap()
