@@ -12,10 +12,17 @@ alternate request by request, so all of them see the same machine. TTFT is wall 
 the first streamed token, so the differences are what each path adds before the engine
 starts; the stage's own latency comes from its histogram, cold and warm apart.
 
+With `--burst N` each round is instead N requests at once sharing a new document (the
+peers benchmark's burst: a fan-out over one RAG document), sent straight to one engine,
+through kvroute and through kvroute's native build. Whatever the path, the first to reach
+the engine starts a step alone and the rest share the next one, so the burst's first and
+last TTFT show what each path adds when N new texts arrive together.
+
     ./scripts/fetch-tokenizer.sh
     cargo build --release -p kvroute-sidecar -p kvroute-fleet -p kvroute-tokenizer
     cargo build --target wasm32-unknown-unknown --release
-    python3 benches/cold_path.py [--rounds 24] [--words 1750] [--json out.json]
+    cargo build --release -p kvroute-native                 # --burst only
+    python3 benches/cold_path.py [--rounds 24] [--words 1750] [--burst 12] [--json out.json]
 """
 import argparse
 import http.client
@@ -24,6 +31,7 @@ import pathlib
 import random
 import statistics
 import sys
+import threading
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -61,6 +69,33 @@ def ttft_ms(port, prompt):
         conn.close()
 
 
+def burst_ttfts(port, prompts):
+    """TTFTs of `prompts` sent at once, each on its own connection, in send order."""
+    go = threading.Barrier(len(prompts))
+    out = [None] * len(prompts)
+
+    def send(i):
+        go.wait()
+        try:
+            out[i] = ttft_ms(port, prompts[i])
+        except Exception as e:  # noqa: BLE001 (reported below, the round is not kept)
+            out[i] = e
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    failed = [e for e in out if isinstance(e, Exception)]
+    if failed:
+        raise RuntimeError(f"{len(failed)} of {len(prompts)} burst requests failed: {failed[0]}")
+    return out
+
+
+def summary(v):
+    return {"median": round(statistics.median(v), 2), "min": round(min(v), 2), "max": round(max(v), 2), "n": len(v)}
+
+
 def stage_latency(stage):
     m = stage.metrics()
     return m["kvroute_tokenizer_latency_seconds_sum"], m["kvroute_tokenizer_latency_seconds_count"]
@@ -73,11 +108,14 @@ def main():
     ap.add_argument("--words", type=int, default=1750, help="words per document (~1.5 tokens each)")
     ap.add_argument("--speedup", type=float, default=2.0, help="the engines' speed-up, as in benches/peers.py")
     ap.add_argument("--seed", type=int, default=3)
+    ap.add_argument("--burst", type=int, default=0, help="N requests at once per round (see above)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     rng = random.Random(args.seed)
     procs = Processes()
     try:
+        if args.burst:
+            return bursts(args, rng, procs)
         engines, sidecar = start_fleet(procs, 2, 512, args.speedup, tokenizer=TOKENIZER_DIR)
         stage = procs.add(Tokenizer(models=[(MODEL, TOKENIZER_DIR, [])], max_model_len=512 * 16))
         kv_port, rr_port = free_port(), free_port()
@@ -124,6 +162,46 @@ def main():
             pathlib.Path(args.json).write_text(json.dumps(out, indent=1))
     finally:
         procs.stop_all()
+
+
+def bursts(args, rng, procs):
+    engines, sidecar = start_fleet(procs, 2, 512, args.speedup, tokenizer=TOKENIZER_DIR)
+    stage = procs.add(Tokenizer(models=[(MODEL, TOKENIZER_DIR, [])], max_model_len=512 * 16))
+    ports = {}
+    for build in ("wasm", "native"):
+        ports[build] = free_port()
+        cfg, lp, adm = render_config(engines, sidecar.port, {"block_size": 16}, listener_port=ports[build],
+                                     policy="kvroute", tokenizer_port=stage.grpc_port, build=build)
+        wait_synced(procs.add(Envoy(cfg, lp, adm, concurrency=2)), sidecar)
+    paths = {"direct": lambda i: engines[i % 2].port, "kvroute": lambda i: ports["wasm"],
+             "kvroute_native": lambda i: ports["native"]}
+    first = {k: [] for k in paths}
+    last = {k: [] for k in paths}
+    stage_ms = {k: [] for k in paths if k != "direct"}
+    for i in range(args.rounds):
+        for kind, port in paths.items():
+            doc = text(rng, args.words)
+            s0, n0 = stage_latency(stage)
+            t = burst_ttfts(port(i), [doc + " Question: " + text(rng, 30) for _ in range(args.burst)])
+            s1, n1 = stage_latency(stage)
+            if i >= args.warmup:
+                first[kind].append(min(t))
+                last[kind].append(max(t))
+                if kind in stage_ms:
+                    stage_ms[kind].append((s1 - s0) * 1000 / max(n1 - n0, 1))
+            time.sleep(0.5)  # the engines idle again
+    out = {"config": vars(args), "burst_first_ttft_wall_ms": {k: summary(v) for k, v in first.items()},
+           "burst_last_ttft_wall_ms": {k: summary(v) for k, v in last.items()},
+           "stage_ms_mean_per_request": {k: round(statistics.median(v), 2) for k, v in stage_ms.items()}}
+    base_first = out["burst_first_ttft_wall_ms"]["direct"]["median"]
+    base_last = out["burst_last_ttft_wall_ms"]["direct"]["median"]
+    for k in paths:
+        f, la = out["burst_first_ttft_wall_ms"][k], out["burst_last_ttft_wall_ms"][k]
+        print(f"{k:15} burst of {args.burst}: first TTFT median {f['median']:7.1f} ms ({f['median'] - base_first:+.1f}"
+              f" against direct), last {la['median']:7.1f} ms ({la['median'] - base_last:+.1f})"
+              + (f"; the stage {out['stage_ms_mean_per_request'][k]:.2f} ms a request" if k in stage_ms else ""))
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":

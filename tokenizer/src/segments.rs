@@ -22,12 +22,18 @@
 //! A piece or chunk not in the cache is tokenized by the stage's ASCII encoder
 //! ([`crate::ascii_bpe`]) when it is ASCII and the tokenizer is one that encoder
 //! reproduces (checked at load on probe texts), else by HF `tokenizers`.
+//!
+//! One tokenization per piece at a time: a request that needs a piece another request is
+//! tokenizing waits for it instead of tokenizing it too. A burst of requests over one new
+//! document then tokenizes it once, the followers a chunk behind the leader, not N times
+//! over on the same cores.
 
 use crate::ascii_bpe::{gpt4_split, keeps_ascii, pre_tokenizer_json, AsciiBpe};
 use aho_corasick::{AhoCorasick, AhoCorasickBuilder, MatchKind};
 use kvroute_serve::lock;
 use lru::LruCache;
-use std::sync::Mutex;
+use std::collections::HashSet;
+use std::sync::{Condvar, Mutex};
 use tokenizers::Tokenizer;
 
 /// Bytes an entry costs beyond its key and ids (map slot, list links, allocations).
@@ -48,14 +54,20 @@ pub struct Segmenter {
     /// not.
     ascii: Result<AsciiBpe, String>,
     cache: Mutex<Cache>,
+    /// Signalled whenever a piece leaves `Cache::pending`.
+    done: Condvar,
 }
 
 struct Cache {
     map: LruCache<Box<str>, Box<[u32]>>,
+    /// Pieces being tokenized by some request now.
+    pending: HashSet<Box<str>>,
     bytes: usize,
     cap: usize,
     hits: u64,
     misses: u64,
+    /// Lookups that waited for another request's tokenization of the same piece.
+    waits: u64,
     /// Misses the ASCII encoder tokenized (the rest went to HF).
     ascii: u64,
 }
@@ -67,6 +79,9 @@ pub struct CacheStats {
     pub bytes: usize,
     pub hits: u64,
     pub misses: u64,
+    /// Lookups that found the piece being tokenized for another request and waited for
+    /// it (counted as hits once it came, or as misses when it was not cached after all).
+    pub waits: u64,
     /// Of `misses`, the pieces the ASCII encoder tokenized; HF tokenized the others.
     pub ascii: u64,
 }
@@ -75,12 +90,40 @@ fn entry_bytes(key: &str, ids: &[u32]) -> usize {
     key.len() + 4 * ids.len() + ENTRY_OVERHEAD
 }
 
+/// Whether `piece`'s entry fits in a cache of `cap` bytes whatever its ids: a byte-level
+/// BPE gives at most one id (4 bytes) per byte.
+fn surely_fits(piece: &str, cap: usize) -> bool {
+    5 * piece.len() + ENTRY_OVERHEAD <= cap
+}
+
+/// A piece some request is tokenizing; dropped, it is no longer, and waiters wake.
+struct Pending<'a> {
+    cache: &'a Mutex<Cache>,
+    done: &'a Condvar,
+    piece: &'a str,
+}
+
+impl Drop for Pending<'_> {
+    fn drop(&mut self) {
+        lock(self.cache).pending.remove(self.piece);
+        self.done.notify_all();
+    }
+}
+
 impl Segmenter {
     /// `cap_bytes`: the cache's memory bound (0: no cache). Why a tokenizer cannot be
     /// segmented comes back as the second value.
     pub fn new(tok: &Tokenizer, cap_bytes: usize) -> (Segmenter, Option<String>) {
-        let cache =
-            Mutex::new(Cache { map: LruCache::unbounded(), bytes: 0, cap: cap_bytes, hits: 0, misses: 0, ascii: 0 });
+        let cache = Mutex::new(Cache {
+            map: LruCache::unbounded(),
+            pending: HashSet::new(),
+            bytes: 0,
+            cap: cap_bytes,
+            hits: 0,
+            misses: 0,
+            waits: 0,
+            ascii: 0,
+        });
         let (matcher, why_not) = match segment_safe(tok) {
             Ok(m) => (Some(m), None),
             Err(why) => (None, Some(why)),
@@ -91,7 +134,7 @@ impl Segmenter {
         } else {
             Err("segments are not chunked".into())
         };
-        let s = Segmenter { matcher, chunked, ascii, cache };
+        let s = Segmenter { matcher, chunked, ascii, cache, done: Condvar::new() };
         if s.matcher.is_some() {
             if let Err(why) = s.probe(tok) {
                 let ascii = Err("segments are not cached".into());
@@ -150,16 +193,31 @@ impl Segmenter {
     }
 
     fn lookup(&self, tok: &Tokenizer, piece: &str, out: &mut Vec<u32>) -> Result<(), String> {
-        {
+        let marked = {
             let mut c = lock(&self.cache);
+            let mut waited = false;
+            while c.pending.contains(piece) {
+                waited = true;
+                c = self.done.wait(c).unwrap_or_else(|p| p.into_inner());
+            }
+            c.waits += u64::from(waited);
             if let Some(ids) = c.map.get(piece) {
                 out.extend_from_slice(ids);
                 c.hits += 1;
                 return Ok(());
             }
             c.misses += 1;
-        }
-        // Tokenized outside the lock: other requests go on meanwhile.
+            // Only what the cache will keep: a follower that woke to a miss would tokenize
+            // the piece itself, after the leader instead of beside it.
+            let marked = surely_fits(piece, c.cap);
+            if marked {
+                c.pending.insert(piece.into());
+            }
+            marked
+        };
+        // Tokenized outside the lock: other requests go on meanwhile, and those that need
+        // this piece wait for it (the guard clears it, on error too).
+        let _pending = marked.then_some(Pending { cache: &self.cache, done: &self.done, piece });
         let ascii = self.ascii.as_ref().ok().and_then(|a| a.encode(piece));
         let by_ascii = ascii.is_some();
         let ids = match ascii {
@@ -183,7 +241,14 @@ impl Segmenter {
 
     pub fn stats(&self) -> CacheStats {
         let c = lock(&self.cache);
-        CacheStats { entries: c.map.len(), bytes: c.bytes, hits: c.hits, misses: c.misses, ascii: c.ascii }
+        CacheStats {
+            entries: c.map.len(),
+            bytes: c.bytes,
+            hits: c.hits,
+            misses: c.misses,
+            waits: c.waits,
+            ascii: c.ascii,
+        }
     }
 
     /// Encodes a text with added tokens and long segments in it both ways; they must agree.

@@ -157,6 +157,12 @@ impl Stats {
             "counter",
             "Segment cache misses tokenized, by the stage's ASCII encoder or by HF tokenizers.",
         );
+        head(
+            &mut o,
+            "kvroute_tokenizer_segment_waits_total",
+            "counter",
+            "Segment lookups that waited for another request tokenizing the same piece.",
+        );
         for m in stage.models() {
             let s = m.cache_stats();
             let model = m.name.replace('"', "");
@@ -172,6 +178,7 @@ impl Stats {
             for (by, n) in [("ascii", s.ascii), ("hf", s.misses.saturating_sub(s.ascii))] {
                 let _ = writeln!(o, "kvroute_tokenizer_segments_encoded_total{{model=\"{model}\",by=\"{by}\"}} {n}");
             }
+            let _ = writeln!(o, "kvroute_tokenizer_segment_waits_total{{model=\"{model}\"}} {}", s.waits);
         }
         o
     }

@@ -136,3 +136,35 @@ fn ascii_chunks_are_encoded_by_the_stage_and_the_rest_by_hf() {
     let after = model.cache_stats();
     assert!(after.misses > ascii.misses && after.ascii == ascii.ascii, "{ascii:?} -> {after:?}");
 }
+
+#[test]
+fn a_burst_over_one_new_document_tokenizes_each_chunk_once() {
+    // Eight requests at once, one new document, each its own question: every distinct
+    // chunk is tokenized by one of them (misses == entries), the rest wait for it, and
+    // every request gets HF's ids.
+    let model = qwen3(64 << 20);
+    let doc = text(&mut Rng(23), 40 * CHUNK_BYTES).replace("<|im_end|>", "").replace("<think>", "");
+    let texts: Vec<String> = (0..8).map(|i| format!("{doc} and question number {i} of the burst")).collect();
+    let go = std::sync::Barrier::new(texts.len());
+    let got: Vec<Vec<u32>> = std::thread::scope(|s| {
+        let handles: Vec<_> = texts
+            .iter()
+            .map(|t| {
+                let (model, go) = (&model, &go);
+                s.spawn(move || {
+                    go.wait();
+                    model.encode_unbounded(t, false).unwrap()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (t, ids) in texts.iter().zip(&got) {
+        assert_eq!(ids, model.tokenizer().encode_fast(t.as_str(), false).unwrap().get_ids(), "{t:?}");
+    }
+    let s = model.cache_stats();
+    assert_eq!(s.misses as usize, s.entries, "a chunk tokenized twice: {s:?}");
+    // The document's chunks (all entries but each question's own last one) were looked up
+    // by the seven others.
+    assert!(s.hits as usize >= 7 * (s.entries - texts.len()), "{s:?}");
+}
