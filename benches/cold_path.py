@@ -147,8 +147,7 @@ def main():
             one("kvroute_warm", kv_port, doc + question())
         out = {"config": vars(args), "ttft_wall_ms": {}, "stage_ms": {}}
         for k, v in ttft.items():
-            out["ttft_wall_ms"][k] = {"median": round(statistics.median(v), 2), "min": round(min(v), 2),
-                                      "max": round(max(v), 2), "n": len(v)}
+            out["ttft_wall_ms"][k] = summary(v)
         for k, v in stage_ms.items():
             out["stage_ms"][k] = round(statistics.median(v), 2)
         base = out["ttft_wall_ms"]["direct"]["median"]
