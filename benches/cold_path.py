@@ -114,10 +114,10 @@ def main():
     rng = random.Random(args.seed)
     procs = Processes()
     try:
-        if args.burst:
-            return bursts(args, rng, procs)
         engines, sidecar = start_fleet(procs, 2, 512, args.speedup, tokenizer=TOKENIZER_DIR)
         stage = procs.add(Tokenizer(models=[(MODEL, TOKENIZER_DIR, [])], max_model_len=512 * 16))
+        if args.burst:
+            return bursts(args, rng, procs, engines, sidecar, stage)
         kv_port, rr_port = free_port(), free_port()
         cfg, lp, adm = render_config(engines, sidecar.port, {"block_size": 16}, listener_port=kv_port,
                                      policy="kvroute", tokenizer_port=stage.grpc_port)
@@ -163,9 +163,7 @@ def main():
         procs.stop_all()
 
 
-def bursts(args, rng, procs):
-    engines, sidecar = start_fleet(procs, 2, 512, args.speedup, tokenizer=TOKENIZER_DIR)
-    stage = procs.add(Tokenizer(models=[(MODEL, TOKENIZER_DIR, [])], max_model_len=512 * 16))
+def bursts(args, rng, procs, engines, sidecar, stage):
     ports = {}
     for build in ("wasm", "native"):
         ports[build] = free_port()
