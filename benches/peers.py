@@ -321,7 +321,7 @@ def main():
                          "what a router's CPU alone would do to the engines' latency")
     ap.add_argument("--merge", action="store_true",
                     help="keep the runs already in <out>/results.json that this run does not redo "
-                         "(same workload and line); plots keep only this run's lines")
+                         "(same workload and line); the plots keep the earlier lines that kept samples")
     args = ap.parse_args()
     args.speedup = args.speedup or (2.0 if args.sim == "fleet" else 0.1)
     if args.client != "fleet_load" and args.sim != "fleet":
@@ -368,19 +368,45 @@ def main():
                       f"ttft p50 {r['ttft_ms']['p50'] * speedup:7.0f} p99 {r['ttft_ms']['p99'] * speedup:7.0f} ms "
                       f"cpu {r['router_cpu_ms_per_request']:.2f} ms/req rss {r['router_peak_rss_mb']:.0f} MB "
                       f"failed {r['failed']}", flush=True)
-            # (A real client gives no per-request samples: no plot.)
-            rq.plot_ttft(out, wname, [label for label, *_ in lines], f"TTFT, {wname}, {args.sim} (model time)")
+            # (A real client gives no per-request samples: no plot.) Merged: plotted below,
+            # with the lines this run keeps from the earlier ones.
+            if not args.merge:
+                rq.plot_ttft(out, wname, [label for label, *_ in lines], f"TTFT, {wname}, {args.sim} (model time)")
     finally:
         procs.stop_all()
     wall_s = round(time.time() - t_start)
     config = vars(args)
     if args.merge and (out / "results.json").exists():
         results, failed, config = merged(json.loads((out / "results.json").read_text()), results, failed, config)
+    if args.merge and args.client == "fleet_load":
+        plot_merged(out, results, args.workloads.split(","), args.sim)
     (out / "results.json").write_text(json.dumps(
         {"config": config, "versions": VERSIONS, "wall_s": wall_s, "runs": results, "failed": failed}, indent=1))
     (out / "tables.md").write_text(f"kvroute_w1 against the best peer:\n\n{versus(results)}\n{markdown(results, failed)}\n")
     print(markdown(results, failed))
     print(f"\n{len(results)} runs, {len(failed)} failed, in {time.time() - t_start:.0f} s; results in {out}")
+
+
+def plot_merged(out, results, workloads, sim):
+    """The TTFT CDFs of `workloads` with every line `results` has for them: this run's from
+    its samples, earlier runs' from the samples they kept (--keep-samples). An earlier line
+    that kept none is left out of the plot, and said so."""
+    for w in workloads:
+        runs = [r for r in results if r["workload"] == w]
+        missing = []
+        for r in runs:
+            label = r["policy"]
+            if (out / f"{w}.{label}.samples.json").exists():
+                continue  # this run's
+            kept = out / "samples" / f"{w}.{label}.json"
+            if kept.exists():
+                rq.save_samples(out, w, label, json.loads(kept.read_text())["samples"], r["speedup"])
+            else:
+                missing.append(label)
+        if missing:
+            print(f"ttft-{w}.svg: no kept samples for {', '.join(missing)} (run them with --keep-samples): "
+                  "not in the plot", flush=True)
+        rq.plot_ttft(out, w, [r["policy"] for r in runs], f"TTFT, {w}, {sim} (model time)")
 
 
 def background_cpu(cores):
