@@ -62,6 +62,7 @@ fn ranking(c: &mut Criterion) {
                 pending_prefill: (s as u32 * 5) % 200,
                 wait: (s as u32 * 11) % 300,
                 own_prefill: (s as u32 * 3) % 100,
+                cached_blocks: (s as u32 * 17) % 1000,
                 worker_key: worker_key(&format!("10.0.{}.{}:8000", s / 250, s % 250)),
             })
             .collect();

@@ -27,6 +27,8 @@ Reference lines, run only when --lines names them (where kvroute's CPU goes):
                                  (the filter finds no worker table); Envoy's fallback routes
   kvroute_w1_native              kvroute_w1 with the native build (the Envoy dynamic
                                  module) in place of kvroute.wasm: the same routing, without V8
+  kvroute_w1_hash_tie            kvroute_w1 with ties between equally cheap workers left to
+                                 the hash (tie_break: hash), as before the cached-block counts
 
 Engine simulators (`--sim`):
   fleet    kvroute-fleet's mock engines, reset between lines (the default)
@@ -96,6 +98,7 @@ REFERENCE_LINES = [
     ("kvroute_sync_only", "envoy", {"stage": True, "filter": False, "sync": True}),
     ("kvroute_filter_only", "envoy", {"stage": True, "filter": True, "sync": False}),
     ("kvroute_w1_native", "kvroute", {"overlap_weight": 1.0}),
+    ("kvroute_w1_hash_tie", "kvroute", {"overlap_weight": 1.0, "tie_break": "hash"}),
 ]
 VERSIONS = {**PINS, "dynamo": " ".join(DYNAMO_PINS)}
 # Per-process CPU that is not the router's: Dynamo's per-engine relays stand in for code
@@ -319,6 +322,9 @@ def main():
     ap.add_argument("--background-cpu", type=float, default=0.0, metavar="CORES",
                     help="keep a busy loop on this share of one core (0-1) while each line runs: "
                          "what a router's CPU alone would do to the engines' latency")
+    ap.add_argument("--rotate", type=int, default=0, metavar="N",
+                    help="run the lines in their order rotated by N (the first line of a run can be slower "
+                         "than the same line later in it: docs/benchmarks.md)")
     ap.add_argument("--merge", action="store_true",
                     help="keep the runs already in <out>/results.json that this run does not redo "
                          "(same workload and line); the plots keep the earlier lines that kept samples")
@@ -342,6 +348,7 @@ def main():
                                  trace=str(rq.TRACE), trace_requests=2000, mooncake_blocks=8192)
     lines = LINES + [kvroute_line(spec) for spec in args.kvroute]
     lines = rq.named(lines + REFERENCE_LINES, args.lines, "lines") if args.lines else lines
+    lines = lines[args.rotate % len(lines):] + lines[:args.rotate % len(lines)]
     procs = Processes()
     results, failed = [], []
     t_start = time.time()

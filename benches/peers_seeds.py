@@ -6,7 +6,8 @@ A p99 over one run's 192–256 requests is its second or third slowest request: 
 moves it by ±5%, as much as the margins between the best routers. Each seed draws other
 requests and arrival times, so the count of seeds a line wins, and its median p99 over
 them, tell a margin from noise. Every seed is its own `peers.py` run (its own processes,
-fresh fleets), into <out>/seed-<n>/; the summary goes to <out>/seeds.md.
+fresh fleets), into <out>/seed-<n>/; the summary goes to <out>/seeds.md. The i-th seed runs
+the lines rotated by i (peers.py --rotate), so no line is always the first.
 
     python3 benches/peers_seeds.py --seeds 1,2,3,4,5 --out docs/peers-seeds \\
         --workloads shared_prefix_70,shared_prefix_100,chat_70 \\
@@ -75,8 +76,10 @@ def main():
     args, rest = ap.parse_known_args()
     out = pathlib.Path(args.out)
     if not args.summary_only:
-        for s in (int(x) for x in args.seeds.split(",")):
-            cmd = [sys.executable, str(ROOT / "benches" / "peers.py"), "--seed", str(s),
+        for i, s in enumerate(int(x) for x in args.seeds.split(",")):
+            # Each seed starts with another line: the first line of a run is a little
+            # slower than the same line later in it (docs/benchmarks.md).
+            cmd = [sys.executable, str(ROOT / "benches" / "peers.py"), "--seed", str(s), "--rotate", str(i),
                    "--out", str(out / f"seed-{s}"), *rest]
             print(f"== seed {s}: {' '.join(cmd[1:])}", flush=True)
             if subprocess.run(cmd).returncode != 0:

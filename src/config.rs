@@ -68,6 +68,18 @@ pub enum ActiveBlocks {
     InFlight,
 }
 
+/// How a tie between equally cheap workers with as many cache hits is broken.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TieBreak {
+    /// For a prompt no worker holds or carries any block of: the worker holding the fewest
+    /// blocks (the sync service's count from the index), then the rendezvous hash. Costs
+    /// one more shared-data read, on such ties only. Every other tie: the hash.
+    LeastCached,
+    /// The rendezvous hash of the request's first block and the worker alone.
+    Hash,
+}
+
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields, default)]
 struct RawFilterConfig {
@@ -96,6 +108,7 @@ struct RawFilterConfig {
     wait_slack_per_hit: Option<f64>,
     holder_tie_per_hit: Option<f64>,
     holder_tie_load_slack: Option<f64>,
+    tie_break: TieBreak,
 }
 
 impl Default for RawFilterConfig {
@@ -126,6 +139,7 @@ impl Default for RawFilterConfig {
             wait_slack_per_hit: Some(DEFAULT_WAIT_SLACK_PER_HIT),
             holder_tie_per_hit: Some(DEFAULT_HOLDER_TIE_PER_HIT),
             holder_tie_load_slack: None,
+            tie_break: TieBreak::LeastCached,
         }
     }
 }
@@ -183,6 +197,7 @@ pub struct FilterConfig {
     /// its cost. `None` (the default): the cost test alone. No effect without
     /// `holder_tie_per_hit`.
     pub holder_tie_load_slack: Option<f64>,
+    pub tie_break: TieBreak,
 }
 
 /// Loading a block back from CPU memory is several times cheaper than recomputing it but
@@ -297,6 +312,7 @@ impl FilterConfig {
             wait_slack_per_hit,
             holder_tie_per_hit,
             holder_tie_load_slack,
+            tie_break: raw.tie_break,
         })
     }
 
@@ -418,6 +434,10 @@ mod tests {
         let off = FilterConfig::from_json(br#"{"lora_header": null, "cache_salt_header": null}"#).unwrap();
         assert_eq!((off.lora_header, off.cache_salt_header), (None, None));
         assert_eq!(c.wait_slack_per_hit, Some(DEFAULT_WAIT_SLACK_PER_HIT));
+        assert_eq!(c.tie_break, TieBreak::LeastCached);
+        let hash = FilterConfig::from_json(br#"{"tie_break": "hash"}"#).unwrap();
+        assert_eq!(hash.tie_break, TieBreak::Hash);
+        assert!(FilterConfig::from_json(br#"{"tie_break": "random"}"#).is_err());
         let unlimited = FilterConfig::from_json(br#"{"wait_slack_per_hit": null}"#).unwrap();
         assert_eq!(unlimited.wait_slack_per_hit, None);
         assert_eq!(c.holder_tie_per_hit, Some(DEFAULT_HOLDER_TIE_PER_HIT));

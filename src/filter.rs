@@ -40,6 +40,7 @@ struct Metrics {
     prefill_releases: BatchedCounter,
     spilled: BatchedCounter,
     kept_on_holder: BatchedCounter,
+    least_cached: BatchedCounter,
     override_refused: BatchedCounter,
     unflushed: u32,
 }
@@ -63,6 +64,7 @@ impl Metrics {
             prefill_releases: counter("kvroute.prefill_releases"),
             spilled: counter("kvroute.spilled"),
             kept_on_holder: counter("kvroute.kept_on_holder"),
+            least_cached: counter("kvroute.least_cached"),
             override_refused: counter("kvroute.upstream_override_refused"),
             unflushed: 0,
         }
@@ -91,6 +93,7 @@ impl Metrics {
         self.shared_reads.add(u64::from(d.shared_reads));
         self.spilled.add(u64::from(d.spilled));
         self.kept_on_holder.add(u64::from(d.kept_on_holder));
+        self.least_cached.add(u64::from(d.least_cached));
         self.unflushed += 1;
         self.unflushed >= FLUSH_EVERY
     }
@@ -108,6 +111,7 @@ impl Metrics {
             &mut self.prefill_releases,
             &mut self.spilled,
             &mut self.kept_on_holder,
+            &mut self.least_cached,
             &mut self.override_refused,
         ];
         let by_kind = self.fallback.iter_mut().map(|(_, c)| c).chain(self.token_errors.iter_mut().map(|(_, c)| c));

@@ -7,8 +7,8 @@
 
 use crate::feed::{Frame, FrameKind, Op};
 use crate::layout::{
-    bucket_key, bucket_of, encode_bucket, Bucket, FlyEntry, IndexPart, SlotState, WorkerSlot, WorkerTable, FLY_ENTRY,
-    TABLE_KEY,
+    bucket_key, bucket_of, encode_bucket, Bucket, CachedBlocks, FlyEntry, IndexPart, SlotState, WorkerSlot,
+    WorkerTable, CACHED_KEY, FLY_ENTRY, TABLE_KEY,
 };
 use crate::slots::MAX_SLOTS;
 use crate::store::{update, Edit, SharedStore};
@@ -70,6 +70,12 @@ pub struct SyncIndex {
     entries: u64,
     /// Per bucket, a snapshot's stores not yet merged into its entries (see [`Staged`]).
     staged: Vec<Vec<Staged>>,
+    /// Per slot (as long as `slots`), the blocks it holds in GPU memory (merged entries
+    /// only: a snapshot's staged stores count when their bucket is merged, at the latest
+    /// when it is written).
+    cached: Vec<u32>,
+    /// `cached` changed since it was last written.
+    cached_dirty: bool,
 }
 
 /// A snapshot page's store, kept as it came until its bucket is next read or written. A
@@ -107,6 +113,8 @@ impl SyncIndex {
             table_dirty: false,
             entries: 0,
             staged: vec![Vec::new(); n],
+            cached: Vec::new(),
+            cached_dirty: false,
         }
     }
 
@@ -123,6 +131,7 @@ impl SyncIndex {
                 state: if s.state == SlotState::Gone { SlotState::Gone } else { SlotState::Down },
             })
             .collect();
+        self.cached = vec![0; self.slots.len()];
         self.mask_words = self.slots.len().div_ceil(64).max(1);
         self.table_dirty = true;
     }
@@ -264,6 +273,8 @@ impl SyncIndex {
         }
         self.rewrite_all = false;
         self.entries = 0;
+        self.cached.iter_mut().for_each(|n| *n = 0);
+        self.cached_dirty = true;
         self.tiered = false; // every bucket is empty: free to drop the tier masks
         self.table_dirty = true;
     }
@@ -277,6 +288,7 @@ impl SyncIndex {
                 Some(s) => s,
                 None if self.slots.len() < MAX_SLOTS => {
                     self.slots.push(WorkerSlot { id: w.id.clone(), role: w.role, state: SlotState::Down });
+                    self.cached.push(0);
                     present.push(false);
                     self.table_dirty = true;
                     self.slots.len() - 1
@@ -388,7 +400,9 @@ impl SyncIndex {
             let (at, fresh) = merge_up_to(&old, &mut o, &mut merged, hash, stride);
             self.entries += u64::from(fresh);
             while i < staged.len() && staged[i].hash == hash {
-                set_hold_bits(&mut merged[at..at + stride], mw, usize::from(staged[i].slot), staged[i].hold);
+                let slot = usize::from(staged[i].slot);
+                let (_, gpu) = set_hold_bits(&mut merged[at..at + stride], mw, slot, staged[i].hold);
+                self.count_cached(slot, gpu);
                 i += 1;
             }
         }
@@ -421,7 +435,9 @@ impl SyncIndex {
             for &(_, hash) in &new[i..end] {
                 let (at, fresh) = merge_up_to(&old, &mut o, &mut merged, hash, stride);
                 self.entries += u64::from(fresh);
-                if set_hold_bits(&mut merged[at..at + stride], mw, slot, hold) {
+                let (any, gpu) = set_hold_bits(&mut merged[at..at + stride], mw, slot, hold);
+                self.count_cached(slot, gpu);
+                if any {
                     changed += 1;
                     bucket_changed = true;
                 }
@@ -463,17 +479,26 @@ impl SyncIndex {
             entries[at] = hash;
         }
         let at = lo * stride;
-        let changed = set_hold_bits(&mut entries[at..at + stride], mw, slot, hold);
+        let (changed, gpu) = set_hold_bits(&mut entries[at..at + stride], mw, slot, hold);
         if !found {
             self.entries += 1;
         } else if entries[at + 1..at + 1 + mw].iter().all(|w| *w == 0) {
             entries.drain(at..at + stride);
             self.entries -= 1;
         }
+        self.count_cached(slot, gpu);
         if changed {
             self.mark(b);
         }
         changed
+    }
+
+    /// Adds `gpu` (−1, 0 or 1: what [`set_hold_bits`] said) to `slot`'s cached blocks.
+    fn count_cached(&mut self, slot: usize, gpu: i32) {
+        if let Some(n) = self.cached.get_mut(slot).filter(|_| gpu != 0) {
+            *n = n.saturating_add_signed(gpu);
+            self.cached_dirty = true;
+        }
     }
 
     fn clear_slot(&mut self, slot: usize) {
@@ -491,7 +516,7 @@ impl SyncIndex {
             let mut kept = Vec::with_capacity(entries.len());
             for e in entries.chunks_exact(stride) {
                 let mut e = e.to_vec();
-                touched |= set_hold_bits(&mut e, mw, slot, Hold::None);
+                touched |= set_hold_bits(&mut e, mw, slot, Hold::None).0;
                 if e[1..1 + mw].iter().any(|w| *w != 0) {
                     kept.extend_from_slice(&e);
                 } else {
@@ -502,6 +527,10 @@ impl SyncIndex {
                 *entries = kept;
                 self.mark(b as u32);
             }
+        }
+        if self.cached.get(slot).is_some_and(|&n| n > 0) {
+            self.cached[slot] = 0;
+            self.cached_dirty = true;
         }
     }
 
@@ -531,7 +560,7 @@ impl SyncIndex {
     /// Changes not yet written to shared data: [`publish`] has more to do (once any
     /// snapshot in progress is complete).
     pub fn has_unpublished(&self) -> bool {
-        !self.dirty.is_empty() || self.table_dirty
+        !self.dirty.is_empty() || self.table_dirty || self.cached_dirty
     }
 
     /// Puts a bucket back on the dirty list (its write failed).
@@ -579,6 +608,20 @@ impl SyncIndex {
         (mw, tiered, entries.len() / stride, raw)
     }
 
+    /// Per slot, the blocks it holds in GPU memory (see [`CachedBlocks`]).
+    pub fn cached_blocks(&self) -> &[u32] {
+        &self.cached
+    }
+
+    /// [`Self::cached_blocks`] if they changed since the last call.
+    fn take_cached(&mut self) -> Option<CachedBlocks> {
+        if !self.cached_dirty {
+            return None;
+        }
+        self.cached_dirty = false;
+        Some(CachedBlocks(self.cached.clone()))
+    }
+
     /// The worker table if it changed since the last call.
     pub fn take_table(&mut self) -> Option<WorkerTable> {
         if !self.table_dirty {
@@ -610,8 +653,9 @@ enum Hold {
 
 /// Sets how `slot` holds the block of `entry` (`[hash, holders, offloaded-only]`, masks of
 /// `mw` words; the offloaded-only mask absent when the index is not tiered, where no hold
-/// is `Offloaded`); true when that changed anything.
-fn set_hold_bits(entry: &mut [u64], mw: usize, slot: usize, hold: Hold) -> bool {
+/// is `Offloaded`). Returns whether that changed anything, and the change in whether
+/// `slot` holds the block in GPU memory (−1, 0 or 1).
+fn set_hold_bits(entry: &mut [u64], mw: usize, slot: usize, hold: Hold) -> (bool, i32) {
     let (word, bit) = (slot / 64, 1u64 << (slot % 64));
     let (held, off) = (1 + word, 1 + mw + word);
     let tiered = entry.len() > 1 + mw;
@@ -623,7 +667,9 @@ fn set_hold_bits(entry: &mut [u64], mw: usize, slot: usize, hold: Hold) -> bool 
     if tiered {
         set(&mut entry[off], hold == Hold::Offloaded);
     }
-    before != get(entry)
+    let after = get(entry);
+    let gpu = |(held, off): (u64, u64)| i32::from(held != 0 && off == 0);
+    (before != after, gpu(after) - gpu(before))
 }
 
 /// One step of merging into a bucket's sorted entries: copies `old`'s entries below `hash`
@@ -665,7 +711,7 @@ pub const PUBLISH_BUDGET_BYTES: usize = 8 << 20;
 
 /// Writes changed buckets (index part only: the filters' in-flight part is kept as found,
 /// by compare-and-swap) up to [`PUBLISH_BUDGET_BYTES`], then — once none is left — the
-/// worker table if it changed. Buckets before the table: a table never names a state its
+/// worker table and the cached-block counts if they changed. Buckets before the table: a table never names a state its
 /// buckets do not hold yet.
 ///
 /// Nothing is written in the middle of a paged snapshot: the filters keep routing on the
@@ -710,6 +756,12 @@ pub fn publish_within(index: &mut SyncIndex, store: &dyn SharedStore, budget_byt
         if store.set(TABLE_KEY, &t.encode(), None).is_err() {
             stats.failures += 1;
             index.table_dirty = true;
+        }
+    }
+    if let Some(c) = index.take_cached() {
+        if store.set(CACHED_KEY, &c.encode(), None).is_err() {
+            stats.failures += 1;
+            index.cached_dirty = true;
         }
     }
     stats
@@ -804,6 +856,94 @@ mod tests {
         assert_eq!(staged.buckets, single.buckets);
         assert_eq!((bulk.entries, bulk_stats.stored), (single.entries, stored));
         assert_eq!(staged.entries, single.entries);
+        // a: 300 on GPU; b: 300 offloaded, then 10 of them back on GPU; c: all 500.
+        for ix in [&bulk, &staged, &single] {
+            assert_eq!(ix.cached_blocks(), &[300, 10, 500]);
+            assert_eq!(ix.cached_blocks(), recount_cached(ix));
+        }
+    }
+
+    /// Per slot, the GPU-held blocks of the merged entries, counted from scratch.
+    fn recount_cached(ix: &SyncIndex) -> Vec<u32> {
+        let (mw, stride) = (ix.mask_words, ix.stride());
+        let mut n = vec![0u32; ix.slots.len()];
+        for e in ix.buckets.iter().flat_map(|b| b.chunks_exact(stride)) {
+            for (slot, count) in n.iter_mut().enumerate() {
+                let (word, bit) = (slot / 64, 1u64 << (slot % 64));
+                let off = ix.tiered && e[1 + mw + word] & bit != 0;
+                *count += u32::from(e[1 + word] & bit != 0 && !off);
+            }
+        }
+        n
+    }
+
+    #[test]
+    fn cached_blocks_follow_every_change_and_are_published_after_the_buckets() {
+        // Stores, repeated stores, removes of held and unheld blocks, tier moves, a clear,
+        // a worker leaving, and a snapshot that starts over: the running counts equal a
+        // count from scratch after each frame.
+        let ws = vec![worker("a:1"), worker("b:1"), worker("c:1")];
+        let blocks: Vec<FeedBlock> =
+            (0..64u64).map(|i| FeedBlock { hash: i.wrapping_mul(0x9E37_79B9_7F4A_7C15), anchor: i % 5 }).collect();
+        let frames = [
+            frame(
+                FrameKind::SnapshotStart,
+                0,
+                1,
+                ws.clone(),
+                vec![Op::Store { worker: 0, blocks: blocks[..40].to_vec() }],
+            ),
+            frame(
+                FrameKind::Delta,
+                1,
+                2,
+                ws.clone(),
+                vec![
+                    Op::Store { worker: 0, blocks: blocks[30..50].to_vec() },
+                    Op::Store { worker: 1, blocks: blocks[..3].to_vec() },
+                    Op::Remove { worker: 0, blocks: blocks[45..60].to_vec() },
+                ],
+            ),
+            frame(
+                FrameKind::Delta,
+                2,
+                3,
+                ws.clone(),
+                vec![
+                    Op::StoreOffloaded { worker: 0, blocks: blocks[..10].to_vec() },
+                    Op::Store { worker: 2, blocks: blocks.clone() },
+                    Op::Clear { worker: 1 },
+                ],
+            ),
+            frame(
+                FrameKind::Delta,
+                3,
+                4,
+                ws[..2].to_vec(),
+                vec![Op::Store { worker: 0, blocks: blocks[..2].to_vec() }],
+            ),
+            frame(
+                FrameKind::SnapshotStart,
+                0,
+                5,
+                ws.clone(),
+                vec![Op::Store { worker: 1, blocks: blocks[..9].to_vec() }],
+            ),
+        ];
+        let expect: [&[u32]; 5] = [&[40, 0, 0], &[45, 3, 0], &[35, 0, 64], &[37, 0, 0], &[0, 9, 0]];
+        let mut ix = SyncIndex::new(8);
+        let store = crate::store::MemStore::default();
+        for (f, want) in frames.iter().zip(expect) {
+            ix.apply(f).unwrap();
+            let published = publish(&mut ix, &store);
+            assert_eq!(published.failures, 0);
+            assert_eq!(ix.cached_blocks(), want, "after version {}", f.to_version);
+            assert_eq!(ix.cached_blocks(), recount_cached(&ix));
+            let (bytes, _) = store.get(CACHED_KEY).unwrap();
+            assert_eq!(CachedBlocks::decode(&bytes.unwrap()).unwrap().0, ix.cached_blocks());
+        }
+        assert!(!ix.has_unpublished());
+        assert!(publish(&mut ix, &store) == PublishStats::default(), "nothing changed: nothing written");
     }
 
     #[test]

@@ -8,6 +8,7 @@
 //! |---|---|---|
 //! | `kvroute.workers` | sync | [`WorkerTable`]: slots, ids, roles, up/down, feed state |
 //! | `kvroute.load` | filters (CAS) | [`LoadVector`]: distinct in-flight blocks per slot |
+//! | `kvroute.cached` | sync | [`CachedBlocks`]: blocks each slot holds in GPU memory |
 //! | `kvroute.b.{0..n_buckets}` | sync + filters (CAS) | [`Bucket`]: cached blocks and in-flight/predicted blocks |
 //!
 //! Blocks are grouped into *segments* of a request's block sequence whose lengths double:
@@ -22,6 +23,7 @@ use std::fmt;
 
 pub const TABLE_KEY: &str = "kvroute.workers";
 pub const LOAD_KEY: &str = "kvroute.load";
+pub const CACHED_KEY: &str = "kvroute.cached";
 const BUCKET_KEY_PREFIX: &str = "kvroute.b.";
 
 /// Default number of index buckets (keys). Power of two. A decision reads a fixed number
@@ -203,6 +205,33 @@ impl WorkerTable {
             return Err(LayoutError("worker listed twice"));
         }
         Ok(WorkerTable { index_live, block_size, n_buckets, epoch, version, slots })
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Cached blocks
+
+/// Per slot, the blocks the index says it holds in GPU memory: `n_slots × u32`
+/// little-endian; missing tail slots are 0 (a slot newer than the last write holds
+/// nothing yet). The filter reads it only to break a tie between equally cheap workers
+/// (`tie_break`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct CachedBlocks(pub Vec<u32>);
+
+impl CachedBlocks {
+    pub fn decode(bytes: &[u8]) -> Result<CachedBlocks, LayoutError> {
+        if !bytes.len().is_multiple_of(4) || bytes.len() / 4 > MAX_SLOTS {
+            return Err(LayoutError("cached-block counts: length"));
+        }
+        let u = |c: &[u8]| u32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+        Ok(CachedBlocks(bytes.chunks_exact(4).map(u).collect()))
+    }
+    pub fn encode(&self) -> Vec<u8> {
+        self.0.iter().flat_map(|n| n.to_le_bytes()).collect()
+    }
+    /// Blocks `slot` holds.
+    pub fn get(&self, slot: usize) -> u32 {
+        self.0.get(slot).copied().unwrap_or(0)
     }
 }
 
@@ -692,6 +721,20 @@ mod tests {
             }
             assert!(WorkerTable::decode(&t2.encode()).is_err(), "{ids:?}");
         }
+    }
+
+    #[test]
+    fn cached_blocks_round_trip_and_reject_a_bad_length() {
+        let c = CachedBlocks(vec![0, 132, u32::MAX]);
+        let bytes = c.encode();
+        assert_eq!(bytes.len(), 12);
+        assert_eq!(CachedBlocks::decode(&bytes), Ok(c.clone()));
+        assert_eq!((c.get(1), c.get(3)), (132, 0), "a slot past the end holds nothing");
+        assert_eq!(CachedBlocks::decode(&[]), Ok(CachedBlocks(vec![])));
+        for cut in [1, 5, 11] {
+            assert!(CachedBlocks::decode(&bytes[..cut]).is_err(), "cut {cut}");
+        }
+        assert!(CachedBlocks::decode(&vec![0; 4 * (MAX_SLOTS + 1)]).is_err());
     }
 
     #[test]

@@ -5,16 +5,16 @@
 //! decoding, hashing, the bucket scan, scoring, in-flight accounting — happens here, with
 //! time and the tie-break seed passed in.
 
-use crate::config::{ActiveBlocks, FilterConfig, Mode};
+use crate::config::{ActiveBlocks, FilterConfig, Mode, TieBreak};
 use crate::hash::{block_hashes_le, segments};
 use crate::inflight::{self, ActiveDelta, Change};
 use crate::layout::{
-    begin_bucket, bucket_key, bucket_of, finish_bucket, prefill_epoch, Bucket, LoadVector, PrefillChange, SlotState,
-    WorkerTable, LOAD_KEY, TABLE_KEY,
+    begin_bucket, bucket_key, bucket_of, finish_bucket, prefill_epoch, Bucket, CachedBlocks, LoadVector, PrefillChange,
+    SlotState, WorkerTable, CACHED_KEY, LOAD_KEY, TABLE_KEY,
 };
 use crate::role::Role;
 use crate::scan::{scan_segment, Scan};
-use crate::score::{rank, worker_key, Candidate, RankOutcome, Scored, Weights};
+use crate::score::{rank, tied_at_top, worker_key, Candidate, RankOutcome, Scored, Weights};
 use crate::slots::{SlotSet, MAX_SLOTS};
 use crate::store::{update, Edit, SharedStore, UpdateError, Versioned};
 use crate::tokens::{decode_tokens, TokenEncoding, TokenError};
@@ -114,15 +114,18 @@ pub struct Decision {
     pub spilled: bool,
     /// The holder tie put a worker with more cache hits first (`holder_tie_per_hit`).
     pub kept_on_holder: bool,
+    /// A tie went to the worker holding the fewest blocks (`tie_break`).
+    pub least_cached: bool,
 }
 
 impl Decision {
     fn note(&mut self, r: RankOutcome) {
         self.spilled |= r.spilled;
         self.kept_on_holder |= r.kept_on_holder;
+        self.least_cached |= r.least_cached;
     }
 
-    /// `worker=…;hits=…;blocks=…;cost=…[;offloaded=…][;prefill=…][;spilled=1][;holder=1][;fallback=…]`
+    /// `worker=…;hits=…;blocks=…;cost=…[;offloaded=…][;prefill=…][;spilled=1][;holder=1][;least_cached=1][;fallback=…]`
     /// for the debug response header.
     pub fn debug_value(&self) -> String {
         let mut s = String::new();
@@ -139,6 +142,9 @@ impl Decision {
         }
         if self.kept_on_holder {
             s.push_str(";holder=1");
+        }
+        if self.least_cached {
+            s.push_str(";least_cached=1");
         }
         if let Some(f) = self.fallback {
             let _ = write!(s, ";fallback={}", f.name());
@@ -168,6 +174,8 @@ pub struct Router {
     candidates: Vec<Candidate>,
     scored: Vec<Scored>,
     table: Option<Rc<DecodedTable>>,
+    /// The cached-block counts, once this decision has read them (on its first tie).
+    cached: Option<CachedBlocks>,
 }
 
 /// A worker table as read from shared data, decoded once: it changes only when the fleet
@@ -182,6 +190,9 @@ struct DecodedTable {
 
 /// What ranking needs to know of the request being routed.
 struct Request<'a> {
+    store: &'a dyn SharedStore,
+    /// The index is live: its cached-block counts may break ties.
+    index_live: bool,
     /// [`worker_key`] of each slot.
     keys: &'a [u64],
     scan: &'a Scan,
@@ -199,7 +210,7 @@ struct ScannedBucket {
 
 impl Router {
     pub fn new(cfg: FilterConfig) -> Router {
-        Router { cfg, token_bytes: Vec::new(), candidates: Vec::new(), scored: Vec::new(), table: None }
+        Router { cfg, token_bytes: Vec::new(), candidates: Vec::new(), scored: Vec::new(), table: None, cached: None }
     }
 
     /// The worker table in shared data, decoded (or the cached decoding when the bytes are
@@ -262,7 +273,10 @@ impl Router {
         let scan = Scan::new(table.slots.len(), holding, carrying);
         let (scan, scanned) = self.scan(store, &hashes, table.n_buckets, scan, now_ms, &mut d);
         let epoch = prefill_epoch(now_ms);
+        self.cached = None;
         let request = Request {
+            store,
+            index_live: table.index_live,
             keys: &decoded.keys,
             scan: &scan,
             load: &load,
@@ -277,7 +291,7 @@ impl Router {
             if prefill_set.is_empty() {
                 d.fallback.get_or_insert(Fallback::NoPrefillWorker);
             } else {
-                d.note(self.rank_set(&request, &prefill_set, self.cfg.prefill_overlap_weight, true));
+                self.rank_set(&request, &prefill_set, self.cfg.prefill_overlap_weight, true, &mut d);
                 if let Some(best) = self.scored.first() {
                     d.prefiller = Some(table.slots[best.candidate.slot].id.clone());
                     chosen.push(best.candidate.slot as u16);
@@ -290,7 +304,7 @@ impl Router {
         };
         // A decode worker fed by a prefill worker computes none of the prompt.
         let prefills = d.prefiller.is_none();
-        d.note(self.rank_set(&request, &decode_set, weight, prefills));
+        self.rank_set(&request, &decode_set, weight, prefills, &mut d);
         for s in self.scored.iter().take(self.cfg.max_endpoints) {
             d.destinations.push(table.slots[s.candidate.slot].id.clone());
         }
@@ -395,12 +409,15 @@ impl Router {
 
     /// Scores the slots of `set` into `self.scored`, best first. `prefills`: the chosen
     /// worker will compute the request's prefill.
-    fn rank_set(&mut self, r: &Request<'_>, set: &SlotSet, weight: f64, prefills: bool) -> RankOutcome {
+    fn rank_set(&mut self, r: &Request<'_>, set: &SlotSet, weight: f64, prefills: bool, d: &mut Decision) {
         let potential = self.cfg.active_blocks == ActiveBlocks::Potential;
         let (scan, request_blocks) = (r.scan, r.blocks);
         self.candidates.clear();
+        // No worker holds or carries any of the request's blocks: a prefix new to the set.
+        let mut unseen = true;
         for slot in set.iter() {
             let of = |v: &[u32]| v.get(slot).copied().unwrap_or(0);
+            unseen &= of(&scan.hits) == 0 && of(&scan.in_flight) == 0;
             // Potential: what the worker would carry with this request added — the blocks
             // already in flight there count once.
             let added = if potential { request_blocks.saturating_sub(of(&scan.in_flight)) } else { 0 };
@@ -418,6 +435,7 @@ impl Router {
                 pending_prefill: queued.saturating_add(own),
                 wait: outstanding.saturating_add(own),
                 own_prefill: own,
+                cached_blocks: self.cached.as_ref().map_or(0, |c| c.get(slot)),
                 worker_key: r.keys.get(slot).copied().unwrap_or(0),
             });
         }
@@ -431,7 +449,33 @@ impl Router {
             holder_tie_per_hit: self.cfg.holder_tie_per_hit.filter(|_| prefills),
             holder_tie_load_slack: self.cfg.holder_tie_load_slack.filter(|_| prefills),
         };
-        rank(&self.candidates, weights, request_blocks, r.key, &mut self.scored)
+        let mut outcome = rank(&self.candidates, weights, request_blocks, r.key, &mut self.scored);
+        // Only a new prefix is placed by the counts. One that a busy worker holds spills by
+        // the hash: its later spills then agree on one second worker, where the emptiest
+        // of the moment would scatter copies of it.
+        let unread = self.cached.is_none() && self.cfg.tie_break == TieBreak::LeastCached && r.index_live;
+        if unread && unseen && tied_at_top(&self.scored, weights.offload_hit_credit) {
+            let cached = self.read_cached(r.store, d);
+            for c in &mut self.candidates {
+                c.cached_blocks = cached.get(c.slot);
+            }
+            self.cached = Some(cached);
+            outcome = rank(&self.candidates, weights, request_blocks, r.key, &mut self.scored);
+        }
+        d.note(outcome);
+    }
+
+    /// The sync service's cached-block counts; none (every worker 0: the hash decides) when
+    /// there are none yet or they do not decode (counted).
+    fn read_cached(&self, store: &dyn SharedStore, d: &mut Decision) -> CachedBlocks {
+        d.shared_reads += 1;
+        match store.get(CACHED_KEY) {
+            Ok((Some(v), _)) => CachedBlocks::decode(&v).unwrap_or_else(|_| {
+                d.layout_errors += 1;
+                CachedBlocks::default()
+            }),
+            _ => CachedBlocks::default(),
+        }
     }
 
     /// Records the request's blocks as in flight on `slots`. `scanned` and `load` are the

@@ -46,9 +46,15 @@
 //! tail latency and the agentic loop's (docs/benchmarks.md, "The holder tie's load test").
 //!
 //! Ties, in order: more cache hits (a tie between locality and load goes to locality,
-//! which is cheaper in prefill), then the lowest rendezvous hash of (request key, worker)
-//! — deterministic for a given request, and spread evenly over workers across requests,
-//! so equal-cost cold requests do not all pile onto the first worker in the table.
+//! which is cheaper in prefill); then fewer cached blocks (`cached_blocks`, when the caller
+//! read them: the router does for a prefix no worker holds, see [`tied_at_top`]); then the lowest rendezvous hash of (request key,
+//! worker) — deterministic for a given request, and spread evenly over workers across
+//! requests, so equal-cost cold requests do not all pile onto the first worker in the
+//! table. The cached blocks come before the hash because the hash spreads prefixes only
+//! on average: 16 prefixes hashed over 8 engines put four or more on one engine in 79% of
+//! draws (and leave one empty on average), and a later request of a prefix whose holder is
+//! busy with another's prefill then makes a second copy elsewhere. The emptiest engine is also the one whose cache
+//! has the most room, so a new prefix evicts nothing a fuller one still serves.
 
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
@@ -66,6 +72,8 @@ pub struct Candidate {
     pub wait: u32,
     /// Of `wait`, the request's own: its blocks `w` neither holds nor has in flight.
     pub own_prefill: u32,
+    /// Blocks the worker holds in GPU memory, for tie-breaking; 0 when not read.
+    pub cached_blocks: u32,
     /// Stable hash of the worker's id, for tie-breaking (see [`worker_key`]).
     pub worker_key: u64,
 }
@@ -77,6 +85,8 @@ pub struct RankOutcome {
     pub spilled: bool,
     /// The holder tie put a worker with more cache hits before the cheapest.
     pub kept_on_holder: bool,
+    /// The first two tied on cost and hits and the one with fewer cached blocks came first.
+    pub least_cached: bool,
 }
 
 /// A candidate with its cost.
@@ -128,6 +138,19 @@ pub fn worker_key(id: &str) -> u64 {
     xxh3_64_with_seed(id.as_bytes(), 0)
 }
 
+/// Whether the first two of a ranking are equally cheap with as many hits: then the order
+/// of the two is the tie-breaks', and a caller that has not read the cached-block counts
+/// should, and rank again.
+pub fn tied_at_top(ranked: &[Scored], offload_hit_credit: f64) -> bool {
+    match ranked {
+        [a, b, ..] => {
+            a.cost == b.cost
+                && a.candidate.effective_hits(offload_hit_credit) == b.candidate.effective_hits(offload_hit_credit)
+        }
+        _ => false,
+    }
+}
+
 /// Scores and sorts `candidates` best first into `out` (cleared first).
 /// `request_key` identifies the request for tie-breaking: its first block's hash, so
 /// requests with the same start agree, or a caller-supplied random number for requests
@@ -155,6 +178,7 @@ pub fn rank(
                     .effective_hits(offload_hit_credit)
                     .total_cmp(&a.candidate.effective_hits(offload_hit_credit)),
             )
+            .then(a.candidate.cached_blocks.cmp(&b.candidate.cached_blocks))
             .then(a.tiebreak.cmp(&b.tiebreak))
             .then(a.candidate.slot.cmp(&b.candidate.slot))
     });
@@ -195,6 +219,8 @@ pub fn rank(
             outcome.kept_on_holder = true;
         }
     }
+    outcome.least_cached =
+        tied_at_top(out, offload_hit_credit) && out[0].candidate.cached_blocks < out[1].candidate.cached_blocks;
     outcome
 }
 
@@ -213,6 +239,7 @@ mod tests {
             pending_prefill: 0,
             wait: 0,
             own_prefill: 0,
+            cached_blocks: 0,
             worker_key: worker_key(&slot.to_string()),
         }
     }
@@ -285,6 +312,30 @@ mod tests {
             winners.insert(first);
         }
         assert_eq!(winners.len(), 8, "ties spread over every worker");
+    }
+
+    #[test]
+    fn a_tie_goes_to_the_fewest_cached_blocks_before_the_hash() {
+        let mut out = Vec::new();
+        // Eight idle cold workers; slot 5 holds the fewest blocks: it wins for every key.
+        let mut all: Vec<_> = (0..8).map(|s| Candidate { cached_blocks: 500, ..cand(s, 0, 0) }).collect();
+        all[5].cached_blocks = 130;
+        for key in 0..50u64 {
+            let outcome = rank(&all, w(1.0, 0.5), 10, key, &mut out);
+            assert_eq!(out[0].candidate.slot, 5, "key {key}");
+            assert!(outcome.least_cached && tied_at_top(&out, 0.5));
+        }
+        // Not a tie: cost first (slot 5 carries one block more), then hits.
+        all[5].active_blocks = 1;
+        let outcome = rank(&all, w(1.0, 0.5), 10, 0, &mut out);
+        assert_ne!(out[0].candidate.slot, 5);
+        assert!(!outcome.least_cached, "the rest tie on equal counts: the hash decided");
+        let (holder, empty) = (cand(0, 4, 4), Candidate { cached_blocks: 0, ..cand(1, 0, 0) });
+        let holder = Candidate { cached_blocks: 900, ..holder };
+        let outcome = rank(&[empty, holder], w(1.0, 0.5), 10, 0, &mut out);
+        assert_eq!(out[0].candidate.slot, 0, "equal cost: hits before cached blocks");
+        assert!(!outcome.least_cached && !tied_at_top(&out, 0.5));
+        assert!(!tied_at_top(&out[..1], 0.5), "one worker ties with none");
     }
 
     #[test]
@@ -369,7 +420,7 @@ mod tests {
         assert_eq!((out[0].candidate.slot, out[0].cost, out[1].cost), (0, 396.0, 404.0));
         // τ = 0.25: 8 blocks dearer for 128 more hits is within 32.
         let r = rank(&copy_case(), shipped(), 132, 0, &mut out);
-        assert_eq!(r, RankOutcome { spilled: false, kept_on_holder: true });
+        assert_eq!(r, RankOutcome { spilled: false, kept_on_holder: true, least_cached: false });
         assert_eq!((out[0].candidate.slot, out[1].candidate.slot), (1, 0));
         // τ = 0.05: 8 > 6.4, the cost decides.
         let r = rank(&copy_case(), Weights { holder_tie_per_hit: Some(0.05), ..shipped() }, 132, 0, &mut out);
@@ -392,7 +443,7 @@ mod tests {
         assert_eq!((out[0].candidate.slot, out[0].cost, out[1].cost), (0, 576.0, 704.0));
         let k1 = Weights { holder_tie_load_slack: Some(1.0), ..shipped() };
         let r = rank(&[idle, holder], k1, 192, 0, &mut out);
-        assert_eq!(r, RankOutcome { spilled: false, kept_on_holder: true });
+        assert_eq!(r, RankOutcome { spilled: false, kept_on_holder: true, least_cached: false });
         assert_eq!(out[0].candidate.slot, 1);
         // k = 0.5: half a request of slack is not enough.
         let half = Weights { holder_tie_load_slack: Some(0.5), ..shipped() };

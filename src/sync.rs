@@ -24,6 +24,8 @@ pub const TICK: Duration = Duration::from_millis(100);
 /// The per-worker load gauges ([`crate::host::Stats::define_worker_gauge`]).
 pub const ACTIVE_BLOCKS_GAUGE: &str = "kvroute.active_blocks";
 pub const PREFILL_BLOCKS_GAUGE: &str = "kvroute.prefill_blocks";
+/// The per-worker gauge of blocks the index says each worker holds in GPU memory.
+pub const CACHED_BLOCKS_GAUGE: &str = "kvroute.cached_blocks";
 
 /// A poll's answer may take this long beyond the long poll's own timeout.
 const POLL_GRACE_MS: u64 = 5_000;
@@ -67,8 +69,9 @@ pub struct SyncService<H: Host + FeedClient> {
     cfg: SyncConfig,
     index: SyncIndex,
     metrics: Metrics,
-    /// `kvroute.active_blocks.<worker>` and `kvroute.prefill_blocks.<worker>`, by slot.
-    load_gauges: Vec<(Gauge, Gauge)>,
+    /// `kvroute.active_blocks.<worker>`, `kvroute.prefill_blocks.<worker>` and
+    /// `kvroute.cached_blocks.<worker>`, by slot.
+    load_gauges: Vec<(Gauge, Gauge, Gauge)>,
     /// The token of the poll in flight, and when to stop waiting for its answer.
     in_flight: Option<(u64, u64)>,
     next_poll_ms: u64,
@@ -157,20 +160,26 @@ impl<H: Host + FeedClient> SyncService<H> {
         self.publish_load();
     }
 
-    /// Mirrors the load vector into per-worker gauges, for operators and tests.
+    /// Mirrors the load vector and the index's cached-block counts into per-worker gauges,
+    /// for operators and tests.
     fn publish_load(&mut self) {
-        let Ok((Some(v), _)) = self.host.store().get(LOAD_KEY) else { return };
-        let load = LoadVector::decode(&v);
+        // No value yet (no request routed): every worker's load is 0.
+        let load = match self.host.store().get(LOAD_KEY) {
+            Ok((Some(v), _)) => LoadVector::decode(&v),
+            _ => LoadVector::default(),
+        };
         let epoch = prefill_epoch(self.host.now_ms());
         let table = self.index.table();
         for (slot, w) in table.slots.iter().enumerate() {
             if slot == self.load_gauges.len() {
                 let gauge = |name: &str| Gauge::define_for_worker(&self.host, name, &w.id);
-                self.load_gauges.push((gauge(ACTIVE_BLOCKS_GAUGE), gauge(PREFILL_BLOCKS_GAUGE)));
+                let gauges = (gauge(ACTIVE_BLOCKS_GAUGE), gauge(PREFILL_BLOCKS_GAUGE), gauge(CACHED_BLOCKS_GAUGE));
+                self.load_gauges.push(gauges);
             }
-            let (active, prefill) = self.load_gauges[slot];
+            let (active, prefill, cached) = self.load_gauges[slot];
             active.set(&self.host, u64::from(load.get(slot)));
             prefill.set(&self.host, u64::from(load.pending_prefill(slot, epoch)));
+            cached.set(&self.host, u64::from(self.index.cached_blocks().get(slot).copied().unwrap_or(0)));
         }
     }
 

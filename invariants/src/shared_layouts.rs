@@ -3,8 +3,9 @@
 //! have left them.
 //!
 //! Input: a selector byte (the request's length in blocks, 1–4), `u16` length + table
-//! bytes, `u16` length + load-vector bytes, then one bucket value (stored under every
-//! bucket key the request's blocks map to).
+//! bytes, `u16` length + load-vector bytes (also stored as the cached-block counts, which
+//! are read on a tie), then one bucket value (stored under every bucket key the request's
+//! blocks map to).
 //! - each layout that decodes encodes back to itself;
 //! - the router, reading them, names only workers the table has *up*, each once; counts
 //!   no more hits than the request has blocks; and every bucket and load vector it writes
@@ -14,7 +15,8 @@ use kvroute::config::FilterConfig;
 use kvroute::feed::FeedBlock;
 use kvroute::hash::BASE_NAMESPACE;
 use kvroute::layout::{
-    bucket_key, bucket_of, encode_bucket, Bucket, LoadVector, SlotState, WorkerTable, LOAD_KEY, TABLE_KEY,
+    bucket_key, bucket_of, encode_bucket, Bucket, CachedBlocks, LoadVector, SlotState, WorkerTable, CACHED_KEY,
+    LOAD_KEY, TABLE_KEY,
 };
 use kvroute::router::{Router, TokenSource};
 use kvroute::slots::MAX_SLOTS;
@@ -34,6 +36,9 @@ pub fn check(data: &[u8]) {
     let load = LoadVector::decode(load_bytes);
     let whole = (load_bytes.len() / 16).min(MAX_SLOTS) * 16;
     assert_eq!(load.encode(), load_bytes[..whole], "load vector does not round-trip");
+    if let Ok(c) = CachedBlocks::decode(load_bytes) {
+        assert_eq!(c.encode(), load_bytes, "cached-block counts do not round-trip");
+    }
     let bucket = Bucket::parse(bucket_bytes).ok();
     if let Some(b) = &bucket {
         let (n_fly, fly) = b.fly_raw();
@@ -53,6 +58,7 @@ pub fn check(data: &[u8]) {
     let put = |key: &str, value: &[u8]| store.set(key, value, None).unwrap_or_else(|e| panic!("{e:?}"));
     put(TABLE_KEY, table_bytes);
     put(LOAD_KEY, load_bytes);
+    put(CACHED_KEY, load_bytes);
     let mut keys = BTreeSet::new();
     if let Some(t) = &table {
         // A table's bucket count is any power of two; only the request's keys are stored.

@@ -548,3 +548,85 @@ fn queued_prefill_counts_against_a_worker_until_its_first_bytes() {
     }
     assert_eq!(places.len(), 2);
 }
+
+#[test]
+fn a_cold_tie_goes_to_the_worker_holding_the_fewest_blocks() {
+    // Workers 0, 1 and 3 hold other prefixes (30, 20 and 10 blocks); worker 2 holds none.
+    let held =
+        |w: u32, prefix: u32, blocks: usize| Op::Store { worker: w, blocks: feed_blocks(&prompt(prefix, blocks * 16)) };
+    let (store, _) = fleet(4, vec![held(0, 90, 30), held(1, 91, 20), held(3, 92, 10)]);
+    let mut by_count = Router::new(cfg("{}"));
+    let mut by_hash = Router::new(cfg(r#"{"tie_break": "hash"}"#));
+    let mut hash_winners = std::collections::BTreeSet::new();
+    for prefix in 1..=40 {
+        let p = prompt(prefix, 160);
+        let d = route(&mut by_count, &store, &p, 0);
+        assert_eq!(d.destinations[0], "10.0.0.2:8000", "prefix {prefix}");
+        assert!(d.least_cached && d.debug_value().contains(";least_cached=1"));
+        by_count.release(&store, &d.held, 0);
+        // Another prompt: this one's blocks are now predicted on worker 2.
+        let h = route(&mut by_hash, &store, &prompt(prefix + 1000, 160), 0);
+        assert!(!h.least_cached);
+        assert_eq!(h.shared_reads + 1, d.shared_reads, "the counts cost one read, on a tie");
+        hash_winners.insert(h.destinations[0].clone());
+        by_hash.release(&store, &h.held, 0);
+    }
+    assert_eq!(hash_winners.len(), 4, "the hash alone spreads cold prompts over all: {hash_winners:?}");
+    // Worker 2 busy: no tie at the top among the rest? Workers 0, 1, 3 tie: the emptiest
+    // of them (3) wins.
+    store.set(LOAD_KEY, &with_active(&[0, 0, 5, 0]).encode(), None).unwrap();
+    let d = route(&mut by_count, &store, &prompt(41, 160), 0);
+    assert_eq!((d.destinations[0].as_str(), d.least_cached), ("10.0.0.3:8000", true));
+    by_count.release(&store, &d.held, 0);
+    // Not a tie: worker 1 is the only idle one. The counts are not read.
+    store.set(LOAD_KEY, &with_active(&[5, 0, 5, 5]).encode(), None).unwrap();
+    let d = route(&mut by_count, &store, &prompt(42, 160), 0);
+    let h = route(&mut by_hash, &store, &prompt(42, 160), 0);
+    assert_eq!((d.destinations[0].as_str(), d.least_cached), ("10.0.0.1:8000", false));
+    assert_eq!(d.shared_reads, h.shared_reads);
+}
+
+#[test]
+fn bad_or_missing_cached_counts_leave_the_tie_to_the_hash() {
+    let (store, _) = fleet(4, vec![]);
+    let mut by_hash = Router::new(cfg(r#"{"tie_break": "hash"}"#));
+    let want = route(&mut by_hash, &store, &prompt(3, 160), 0);
+    by_hash.release(&store, &want.held, 0);
+    for (i, (value, errors)) in [(&[1u8, 2, 3][..], 1), (&[][..], 0)].into_iter().enumerate() {
+        store.set(CACHED_KEY, value, None).unwrap();
+        let mut r = Router::new(cfg("{}"));
+        // Later than the earlier decisions' predictions live.
+        let d = route(&mut r, &store, &prompt(3, 160), 100_000 * (i as u64 + 1));
+        assert_eq!(
+            (d.destinations[0].clone(), d.layout_errors, d.least_cached),
+            (want.destinations[0].clone(), errors, false)
+        );
+        r.release(&store, &d.held, 0);
+    }
+}
+
+#[test]
+fn a_held_prefix_spills_by_the_hash_not_the_counts() {
+    // Worker 0 holds the prefix and is far too busy; 1, 2 and 3 tie for the spill. The hash
+    // picks the second worker, the same one each time, whatever the counts (2 is empty).
+    let p = prompt(5, 20 * 16);
+    let held =
+        |w: u32, prefix: u32, blocks: usize| Op::Store { worker: w, blocks: feed_blocks(&prompt(prefix, blocks * 16)) };
+    let (store, _) = fleet(4, vec![Op::Store { worker: 0, blocks: feed_blocks(&p) }, held(1, 91, 30), held(3, 92, 10)]);
+    let mut by_count = Router::new(cfg("{}"));
+    let mut by_hash = Router::new(cfg(r#"{"tie_break": "hash"}"#));
+    for (i, tail) in (60..64).enumerate() {
+        store.set(LOAD_KEY, &with_active(&[5000, 0, 0, 0]).encode(), None).unwrap();
+        let mut q = p.clone();
+        q.extend(prompt(tail, 32));
+        // Apart in time: an earlier decision's predictions are gone.
+        let now = 100_000 * i as u64;
+        let d = route(&mut by_count, &store, &q, now);
+        by_count.release(&store, &d.held, now);
+        let h = route(&mut by_hash, &store, &q, now + 50_000);
+        by_hash.release(&store, &h.held, now + 50_000);
+        assert_ne!(d.destinations[0], "10.0.0.0:8000");
+        assert_eq!((d.destinations[0].clone(), d.least_cached), (h.destinations[0].clone(), false));
+        assert_eq!(d.shared_reads, h.shared_reads, "the counts are not read");
+    }
+}

@@ -295,6 +295,36 @@ def test_the_holder_tie_keeps_a_prefix_on_its_busy_holder(setup, tie):
         assert (d["worker"], d["hits"], d.get("holder")) == (s.workers[1].id, "0", None), d
 
 
+@pytest.mark.parametrize("tie_break", ["least_cached", "hash"])
+def test_a_cold_prompt_goes_to_the_idle_worker_holding_the_fewest_blocks(setup, tie_break):
+    """Four idle workers hold 30, 20, 0 and 10 blocks of other prefixes. A prompt none of
+    them holds costs the same on each: by default it goes to the empty one (the sync
+    service's count from the index), each of six different prompts; by the hash alone the
+    six spread."""
+    s = setup(n_workers=4, filter_config={"tie_break": tie_break})
+    for w, (prefix, blocks) in zip(s.workers, [(31, 30), (32, 20), (33, 0), (34, 10)]):
+        if blocks:
+            s.state.store(w.id, tokens(prefix, blocks * 16))
+    s.wait_synced()
+    want = {_stat_id(w): n for w, n in zip(s.workers, [30, 20, 0, 10])}
+    wait_for(lambda: s.envoy.worker_gauges("kvroute.cached_blocks") == want, what=f"cached-block gauges {want}")
+    decided = []
+    for prefix in range(40, 46):
+        _, h, _ = s.envoy.request(headers={"x-prompt-token-ids-b64": b64(tokens(prefix, 8 * 16))})
+        decided.append(debug(h))
+        # Idle again before the next: the wasm build releases within 100 ms, and the
+        # gauges follow within 100 ms more.
+        time.sleep(0.3)
+        wait_for(lambda: not any(_active(s).values()) and not any(_prefill(s).values()), what="an idle fleet")
+    workers = [d["worker"] for d in decided]
+    if tie_break == "least_cached":
+        assert workers == [s.workers[2].id] * 6, decided
+        assert all(d.get("least_cached") == "1" for d in decided), decided
+        wait_for(lambda: s.envoy.stat("kvroute.least_cached") == 6, what="kvroute.least_cached == 6")
+    else:
+        assert len(set(workers)) > 1 and not any("least_cached" in d for d in decided), decided
+
+
 def test_active_blocks_return_to_zero(setup):
     s = setup(n_workers=2)
     # 20 blocks each, a new prompt per case: released blocks linger as predictions, which
