@@ -47,14 +47,14 @@
 //!
 //! Ties, in order: more cache hits (a tie between locality and load goes to locality,
 //! which is cheaper in prefill); then fewer cached blocks (`cached_blocks`, when the caller
-//! read them: the router does for a prefix no worker holds, see [`tied_at_top`]); then the lowest rendezvous hash of (request key,
-//! worker) — deterministic for a given request, and spread evenly over workers across
-//! requests, so equal-cost cold requests do not all pile onto the first worker in the
-//! table. The cached blocks come before the hash because the hash spreads prefixes only
-//! on average: 16 prefixes hashed over 8 engines put four or more on one engine in 79% of
-//! draws (and leave one empty on average), and a later request of a prefix whose holder is
-//! busy with another's prefill then makes a second copy elsewhere. The emptiest engine is also the one whose cache
-//! has the most room, so a new prefix evicts nothing a fuller one still serves.
+//! read them: the router does for a prefix no worker holds, see [`tied_at_top`]); then the
+//! lowest rendezvous hash of (request key, worker) — deterministic for a given request, and
+//! spread evenly over workers across requests, so equal-cost cold requests do not all pile
+//! onto the first worker in the table. The cached blocks come before the hash because the
+//! hash spreads prefixes only on average: 16 prefixes hashed over 8 engines put four or
+//! more on one engine in 79% of draws, and a later request of a prefix whose holder is busy
+//! with another's prefill then makes a second copy elsewhere. The emptiest engine also has
+//! the most room, so a new prefix evicts nothing a fuller one still serves.
 
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
