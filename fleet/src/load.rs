@@ -127,6 +127,17 @@ pub struct LoadArgs {
     /// bursts per second) — many same-prefix requests within one event round trip.
     #[arg(long)]
     pub burst: bool,
+    /// A request with no complete answer after this many seconds fails (counted, logged;
+    /// a chat or agent ends there): a router that stalls ends the run instead of hanging it.
+    #[arg(long, default_value_t = 300.0, value_parser = positive_seconds)]
+    pub request_timeout_s: f64,
+}
+
+fn positive_seconds(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v.is_finite() && v > 0.0 => Ok(v),
+        _ => Err(format!("`{s}`: a positive number of seconds")),
+    }
 }
 
 /// Tokens per block for the oracle and the prefix hash (the fleet's block size).
@@ -269,9 +280,18 @@ impl Writer {
         Conversation { planned, body }
     }
 
-    /// The next turn: everything so far, the answer, then a new question.
-    pub fn next_turn(&self, c: &mut Conversation, answer: &Sample, question: &[u32]) {
-        c.planned.extend(&answer.answer_ids);
+    /// The next turn: everything so far, the answer, then a new question. False when the
+    /// answer's ids are unknown (the stream had none and its text is not in our words):
+    /// the planned ids then lack them, and so does the oracle.
+    pub fn next_turn(&self, c: &mut Conversation, answer: &Sample, question: &[u32]) -> bool {
+        let mut known = true;
+        if !answer.answer_ids.is_empty() || answer.answer.is_empty() {
+            c.planned.extend(&answer.answer_ids);
+        } else if let Some(ids) = self.words.as_ref().and_then(|w| w.read_back(&answer.answer)) {
+            c.planned.extend(ids);
+        } else {
+            known = false;
+        }
         c.planned.extend(question);
         match &mut c.body {
             Body::Tokens => {}
@@ -284,6 +304,7 @@ impl Writer {
                 m.push(("user", self.text(question)));
             }
         }
+        known
     }
 }
 
@@ -299,6 +320,7 @@ pub struct Sender {
     pub token_header: bool,
     pub prefix_hash_blocks: usize,
     pub start: Instant,
+    pub timeout: Duration,
 }
 
 /// Sends one request, streaming, and measures it. The planned ids go in the headers, and
@@ -321,7 +343,7 @@ pub async fn send(sender: &Sender, c: &Conversation, max_tokens: usize, key: u64
         answer_ids: Vec::new(),
         prompt: planned.to_vec(),
     };
-    let result: Result<(), String> = async {
+    let exchange = async {
         let stream = tokio::net::TcpStream::connect(target).await.map_err(|e| e.to_string())?;
         let _ = stream.set_nodelay(true);
         let (mut tx, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
@@ -346,6 +368,7 @@ pub async fn send(sender: &Sender, c: &Conversation, max_tokens: usize, key: u64
         let mut body = resp.into_body();
         let mut buf = String::new();
         let mut last: Option<Value> = None;
+        let mut prompt_ids_read = false;
         while let Some(frame) = body.frame().await {
             let frame = frame.map_err(|e| e.to_string())?;
             let Some(data) = frame.data_ref() else { continue };
@@ -360,17 +383,16 @@ pub async fn send(sender: &Sender, c: &Conversation, max_tokens: usize, key: u64
                     s.ttft_ms = t0.elapsed().as_secs_f64() * 1000.0;
                 }
                 let v: Value = serde_json::from_str(payload).map_err(|e| e.to_string())?;
-                read_chunk(&v, &mut s);
+                prompt_ids_read |= read_chunk(&v, &mut s);
                 last = Some(v);
             }
         }
-        let last = last.ok_or("empty stream")?;
-        s.cached_tokens =
-            last.pointer("/usage/prompt_tokens_details/cached_tokens").and_then(Value::as_u64).unwrap_or(0) as usize;
-        s.worker = last.get("kvroute_worker").and_then(Value::as_str).unwrap_or("").to_string();
-        Ok(())
-    }
-    .await;
+        read_last_chunk(&last.ok_or("empty stream")?, prompt_ids_read, &mut s);
+        Ok::<(), String>(())
+    };
+    let result = tokio::time::timeout(sender.timeout, exchange)
+        .await
+        .unwrap_or_else(|_| Err(format!("no complete answer in {:?}", sender.timeout)));
     s.e2e_ms = t0.elapsed().as_secs_f64() * 1000.0;
     s.ok = result.is_ok();
     if let Err(e) = result {
@@ -380,8 +402,8 @@ pub async fn send(sender: &Sender, c: &Conversation, max_tokens: usize, key: u64
 }
 
 /// One streamed chunk: its text and ids, and the prompt's ids if it carries them (the
-/// first: top level in a chat chunk, in the choice in a completion chunk).
-fn read_chunk(v: &Value, s: &mut Sample) {
+/// first: top level in a chat chunk, in the choice in a completion chunk); true if it did.
+fn read_chunk(v: &Value, s: &mut Sample) -> bool {
     let choice = v.pointer("/choices/0");
     let text = choice.and_then(|c| c.pointer("/delta/content").or_else(|| c.get("text"))).and_then(Value::as_str);
     s.answer.push_str(text.unwrap_or(""));
@@ -389,10 +411,27 @@ fn read_chunk(v: &Value, s: &mut Sample) {
         v?.as_array()?.iter().map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok())).collect()
     };
     s.answer_ids.extend(ids(choice.and_then(|c| c.get("token_ids"))).unwrap_or_default());
-    if let Some(p) = ids(v.get("prompt_token_ids")).or_else(|| ids(choice.and_then(|c| c.get("prompt_token_ids")))) {
-        s.prompt_tokens = p.len();
-        s.prompt = p;
+    let Some(p) = ids(v.get("prompt_token_ids")).or_else(|| ids(choice.and_then(|c| c.get("prompt_token_ids")))) else {
+        return false;
+    };
+    s.prompt_tokens = p.len();
+    s.prompt = p;
+    true
+}
+
+/// The stream's last chunk: the usage (cached tokens; the prompt's count if no chunk
+/// carried its ids) and the worker the mock engine names.
+fn read_last_chunk(last: &Value, prompt_ids_read: bool, s: &mut Sample) {
+    s.cached_tokens =
+        last.pointer("/usage/prompt_tokens_details/cached_tokens").and_then(Value::as_u64).unwrap_or(0) as usize;
+    if !prompt_ids_read {
+        // A router that relays text only (Dynamo's frontend): the usage's count is the
+        // engine's, where the planned ids can lack an earlier answer's.
+        if let Some(n) = last.pointer("/usage/prompt_tokens").and_then(Value::as_u64) {
+            s.prompt_tokens = n as usize;
+        }
     }
+    s.worker = last.get("kvroute_worker").and_then(Value::as_str).unwrap_or("").to_string();
 }
 
 /// `/metrics` of a mock engine, as name → value.
@@ -424,11 +463,17 @@ async fn engine_metrics(addr: &str) -> BTreeMap<String, f64> {
 struct Progress {
     done: AtomicUsize,
     failed: AtomicUsize,
+    /// Answers whose ids the next turn could not know (see [`Writer::next_turn`]).
+    answers_unread: AtomicUsize,
 }
 
 pub async fn run(args: LoadArgs) -> Result<Value, String> {
     let before = all_metrics(&args.engines).await;
-    let progress = Arc::new(Progress { done: AtomicUsize::new(0), failed: AtomicUsize::new(0) });
+    let progress = Arc::new(Progress {
+        done: AtomicUsize::new(0),
+        failed: AtomicUsize::new(0),
+        answers_unread: AtomicUsize::new(0),
+    });
     let words = match &args.tokenizer {
         Some(dir) => Some(Words::load(dir)?),
         None => None,
@@ -449,6 +494,7 @@ pub async fn run(args: LoadArgs) -> Result<Value, String> {
         token_header: args.token_header,
         prefix_hash_blocks: args.prefix_hash_blocks,
         start,
+        timeout: Duration::from_secs_f64(args.request_timeout_s),
     };
     let (total, samples, start) = match args.workload {
         WorkloadKind::SharedPrefix | WorkloadKind::Mooncake => {
@@ -524,9 +570,20 @@ pub async fn run(args: LoadArgs) -> Result<Value, String> {
                         let s = send(&sender, &conv, chat.output_len, c as u64).await;
                         progress.done.fetch_add(1, Ordering::Relaxed);
                         if !s.ok {
-                            progress.failed.fetch_add(1, Ordering::Relaxed);
+                            // No answer to go on from: the conversation ends here, and its
+                            // turns not sent count as failed too.
+                            let left = chat.turns - out.len();
+                            progress.failed.fetch_add(left, Ordering::Relaxed);
+                            progress.done.fetch_add(left - 1, Ordering::Relaxed);
+                            let not_sent =
+                                Sample { prompt_tokens: 0, cached_tokens: 0, prompt: Vec::new(), ..s.clone() };
+                            out.push(s);
+                            out.extend(std::iter::repeat_n(not_sent, left - 1));
+                            break;
                         }
-                        writer.next_turn(&mut conv, &s, &workload::random_tokens(&mut rng, chat.question_len));
+                        if !writer.next_turn(&mut conv, &s, &workload::random_tokens(&mut rng, chat.question_len)) {
+                            progress.answers_unread.fetch_add(1, Ordering::Relaxed);
+                        }
                         out.push(s);
                     }
                     out
@@ -545,7 +602,13 @@ pub async fn run(args: LoadArgs) -> Result<Value, String> {
         eprintln!("\r[{}] {total}/{total} done in {elapsed:.1} s{:>20}", args.label, "");
     }
     let after = all_metrics(&args.engines).await;
-    Ok(summarize(&args, samples, elapsed, &before, &after))
+    let unread = progress.answers_unread.load(Ordering::Relaxed);
+    if unread > 0 {
+        log::warn!("{unread} answers came back as text not in the tokenizer's words: the next turns' planned ids lack them, and the oracle hit rate is approximate");
+    }
+    let mut summary = summarize(&args, samples, elapsed, &before, &after);
+    summary["answers_unread"] = json!(unread);
+    Ok(summary)
 }
 
 fn plan(args: &LoadArgs) -> Result<Vec<Planned>, String> {
@@ -729,9 +792,38 @@ mod tests {
 
         let text = Writer::new(PromptForm::Text, words()).unwrap();
         let mut c = text.start(first.clone(), 0);
-        text.next_turn(&mut c, &answer, &question);
+        assert!(text.next_turn(&mut c, &answer, &question));
         let Body::Text(t) = &c.body else { panic!() };
         assert!(t.contains(" alpha beta "), "{t}");
         assert_eq!(c.planned, expect);
+    }
+
+    /// A router that relays an answer's text without ids or prompt ids (Dynamo's
+    /// frontend): the ids are read back from the words, the prompt count from the usage.
+    #[test]
+    fn a_text_only_stream_still_gives_the_ids_and_the_engines_count() {
+        let words = Words::of(&crate::text::test_model()).unwrap();
+        let said = words.ids_of(&[3, 4, 5]);
+        let mut answer = sample(vec![], 0.0);
+        read_chunk(&json!({"choices": [{"text": words.text(&[3, 4])}]}), &mut answer);
+        let last = json!({"choices": [{"text": words.text(&[5])}],
+                          "usage": {"prompt_tokens": 77, "prompt_tokens_details": {"cached_tokens": 48}}});
+        assert!(!read_chunk(&last, &mut answer));
+        read_last_chunk(&last, false, &mut answer);
+        assert_eq!((answer.prompt_tokens, answer.cached_tokens, answer.answer_ids.len()), (77, 48, 0));
+        let text = Writer::new(PromptForm::Text, Some(words)).unwrap();
+        let mut c = text.start(vec![1, 2], 0);
+        assert!(text.next_turn(&mut c, &answer, &[9]));
+        assert_eq!(c.planned, [&[1, 2][..], &said, &[9]].concat());
+        // Text that is not in the words: the turn goes on without the answer's ids, said so.
+        answer.answer.push_str(" Zebra!");
+        let mut c = text.start(vec![1, 2], 0);
+        assert!(!text.next_turn(&mut c, &answer, &[9]));
+        assert_eq!(c.planned, [1, 2, 9]);
+        // The engine's own prompt ids win over the usage's count.
+        let mut engine = sample(vec![], 0.0);
+        assert!(read_chunk(&json!({"choices": [{"text": " x", "prompt_token_ids": [1, 2]}]}), &mut engine));
+        read_last_chunk(&last, true, &mut engine);
+        assert_eq!(engine.prompt_tokens, 2);
     }
 }

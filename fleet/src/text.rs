@@ -9,6 +9,7 @@
 //! the engine's tokenizer, as a model's own output does.
 
 use kvroute_tokenizer::model::{Model, ModelSpec};
+use std::collections::HashMap;
 use std::path::Path;
 
 /// The fewest words a tokenizer must have for the fleet to write text with it.
@@ -18,6 +19,8 @@ pub struct Words {
     /// Sorted by id: the n-th word is the same in every process that loads the tokenizer.
     ids: Vec<u32>,
     words: Vec<String>,
+    /// Word (without its leading space) → id, to read an answer's text back as ids.
+    by_word: HashMap<String, u32>,
 }
 
 impl Words {
@@ -58,8 +61,9 @@ impl Words {
             ));
         }
         found.sort_unstable();
+        let by_word = found.iter().map(|(id, w)| (w[1..].to_string(), *id)).collect();
         let (ids, words) = found.into_iter().unzip();
-        Ok(Words { ids, words })
+        Ok(Words { ids, words, by_word })
     }
 
     /// Every word's id, in the fixed order.
@@ -88,6 +92,14 @@ impl Words {
             s.push_str(&self.words[p as usize % self.words.len()]);
         }
         s
+    }
+
+    /// The ids of a text written in these words (` word word …`, as an engine's answer is),
+    /// or `None` if any piece is not one of them. For routers that relay an answer's text
+    /// without its ids (Dynamo's frontend): the next turn's ids are still known.
+    pub fn read_back(&self, text: &str) -> Option<Vec<u32>> {
+        let rest = text.strip_prefix(' ')?;
+        rest.split(' ').map(|w| self.by_word.get(w).copied()).collect()
     }
 
     /// The ids the engine's tokenizer gives [`Words::text`] of `planned`.
@@ -138,5 +150,9 @@ mod tests {
         assert_eq!(&ids[3..ids.len() - 1], &words.ids_of(&planned)[..]);
         // Deterministic: the same words in the same order on every load.
         assert_eq!(Words::of(&model).unwrap().ids, words.ids);
+        // An answer's text reads back as the ids it was written from; anything else as None.
+        assert_eq!(words.read_back(&text), Some(words.ids_of(&planned)));
+        assert_eq!(words.read_back(&format!("{text} Zebra")), None);
+        assert_eq!(words.read_back("no leading space"), None);
     }
 }
