@@ -711,8 +711,8 @@ pub const PUBLISH_BUDGET_BYTES: usize = 8 << 20;
 
 /// Writes changed buckets (index part only: the filters' in-flight part is kept as found,
 /// by compare-and-swap) up to [`PUBLISH_BUDGET_BYTES`], then — once none is left — the
-/// worker table and the cached-block counts if they changed. Buckets before the table: a table never names a state its
-/// buckets do not hold yet.
+/// worker table and the cached-block counts if they changed. Buckets before the table: a
+/// table never names a state its buckets do not hold yet.
 ///
 /// Nothing is written in the middle of a paged snapshot: the filters keep routing on the
 /// last complete index (not on one where the workers of later pages look cold), and each

@@ -135,7 +135,8 @@ pub struct LoadArgs {
 
 fn positive_seconds(s: &str) -> Result<f64, String> {
     match s.parse::<f64>() {
-        Ok(v) if v.is_finite() && v > 0.0 => Ok(v),
+        // Finite is not enough: `Duration::from_secs_f64` panics past ~5.8e11 years.
+        Ok(v) if v > 0.0 && Duration::try_from_secs_f64(v).is_ok() => Ok(v),
         _ => Err(format!("`{s}`: a positive number of seconds")),
     }
 }
@@ -796,6 +797,14 @@ mod tests {
         let Body::Text(t) = &c.body else { panic!() };
         assert!(t.contains(" alpha beta "), "{t}");
         assert_eq!(c.planned, expect);
+    }
+
+    #[test]
+    fn a_request_timeout_is_a_positive_duration() {
+        assert_eq!(positive_seconds("0.5"), Ok(0.5));
+        for bad in ["0", "-1", "nan", "inf", "1e30", "soon"] {
+            assert!(positive_seconds(bad).is_err(), "{bad}");
+        }
     }
 
     /// A router that relays an answer's text without ids or prompt ids (Dynamo's
