@@ -24,6 +24,10 @@
 //! quickest worker's. A worker with nothing queued is never passed over: what keeps a
 //! request waiting there is its own prefill, which the cost already prices. The admissible
 //! workers come first, in cost order, then the rest (for retries), also in cost order.
+//! While some worker has no prefill outstanding, α is `idle_wait_slack_per_hit`
+//! (smaller): a request passed over then starts at once there, and the copy of its prefix
+//! it makes costs no one queueing; with every worker busy, a copy's prefill lands in
+//! another worker's queue and the holder is kept longer.
 //!
 //! The holder tie (`holder_tie_per_hit`, τ): at weight 1 a worker holding the request's
 //! prefix while it prefills another request's cold prompt carries that prompt twice, as
@@ -105,6 +109,9 @@ pub struct Weights {
     pub offload_hit_credit: f64,
     /// α of the wait limit (module docs); `None`: the cost alone ranks.
     pub wait_slack_per_hit: Option<f64>,
+    /// α of the wait limit while some worker has no prefill outstanding (module docs);
+    /// `None`: `wait_slack_per_hit` throughout.
+    pub idle_wait_slack_per_hit: Option<f64>,
     /// τ of the holder tie (module docs); `None`: no tie.
     pub holder_tie_per_hit: Option<f64>,
     /// k of the holder tie (module docs), in the request's blocks; `None`: the cost test
@@ -183,8 +190,10 @@ pub fn rank(
             .then(a.candidate.slot.cmp(&b.candidate.slot))
     });
     let least = out.iter().map(|s| s.candidate.wait).min().unwrap_or(0);
+    let idle = out.iter().any(|s| s.candidate.wait <= s.candidate.own_prefill);
+    let slack = weights.wait_slack_per_hit.map(|a| if idle { weights.idle_wait_slack_per_hit.unwrap_or(a) } else { a });
     let admissible = |s: &Scored| {
-        let Some(alpha) = weights.wait_slack_per_hit else { return true };
+        let Some(alpha) = slack else { return true };
         let c = &s.candidate;
         f64::from(c.wait) <= f64::from(least.max(c.own_prefill)) + alpha * c.effective_hits(offload_hit_credit)
     };
@@ -250,6 +259,7 @@ mod tests {
             prefill_load: 0.0,
             offload_hit_credit,
             wait_slack_per_hit: None,
+            idle_wait_slack_per_hit: None,
             holder_tie_per_hit: None,
             holder_tie_load_slack: None,
         }
@@ -350,6 +360,7 @@ mod tests {
             prefill_load: 0.5,
             offload_hit_credit: 0.5,
             wait_slack_per_hit: None,
+            idle_wait_slack_per_hit: None,
             holder_tie_per_hit: None,
             holder_tie_load_slack: None,
         };
@@ -372,6 +383,7 @@ mod tests {
             prefill_load: 0.0,
             offload_hit_credit: 0.5,
             wait_slack_per_hit: None,
+            idle_wait_slack_per_hit: None,
             holder_tie_per_hit: None,
             holder_tie_load_slack: None,
         };
@@ -402,14 +414,50 @@ mod tests {
     }
 
     fn shipped() -> Weights {
+        use crate::config::*;
         Weights {
             overlap: 1.0,
-            prefill_load: 1.0,
-            offload_hit_credit: 0.5,
-            wait_slack_per_hit: Some(0.5),
-            holder_tie_per_hit: Some(0.25),
+            prefill_load: DEFAULT_PREFILL_LOAD_WEIGHT,
+            offload_hit_credit: DEFAULT_OFFLOAD_HIT_CREDIT,
+            wait_slack_per_hit: Some(DEFAULT_WAIT_SLACK_PER_HIT),
+            idle_wait_slack_per_hit: Some(DEFAULT_IDLE_WAIT_SLACK_PER_HIT),
+            holder_tie_per_hit: Some(DEFAULT_HOLDER_TIE_PER_HIT),
             holder_tie_load_slack: None,
         }
+    }
+
+    /// Two requests of a new prefix close together: the first is prefilling its whole
+    /// 192-block prompt on worker 0 when the second (128 blocks shared, a 64-block question
+    /// of its own) arrives. Worker 0 is the cheaper (the shared blocks are computed once), but
+    /// the request would wait for all of the first's prefill and then its own question, 256
+    /// blocks against a cold 192 on the idle worker: 64 blocks longer, half a block per hit.
+    /// With that worker idle the shipped limit is 0.45 per hit and spills it (measured: such
+    /// requests were zipf_hot's slowest, ~1.35× a cold prefill); with no idle worker, 0.5.
+    /// A burst's siblings with 4-block questions stay together: the 12th waits 176 blocks
+    /// against 132, 44 more, within 0.45 × 128 (up to 15 stay whole).
+    #[test]
+    fn the_shipped_limit_spills_a_long_question_behind_a_siblings_cold_prefill() {
+        let idle = Candidate { wait: 192, own_prefill: 192, pending_prefill: 192, ..cand(0, 0, 192) };
+        let sibling = Candidate { wait: 256, own_prefill: 64, pending_prefill: 128, ..cand(1, 128, 256) };
+        let mut out = Vec::new();
+        let r = rank(&[idle, sibling], shipped(), 192, 0, &mut out);
+        assert_eq!((out[0].candidate.slot, out[0].cost, out[1].cost), (0, 576.0, 448.0));
+        assert!(r.spilled, "the sibling's worker costs 448 against 576, but its wait is beyond the limit");
+        assert!(
+            !rank(&[idle, sibling], Weights { idle_wait_slack_per_hit: None, ..shipped() }, 192, 0, &mut out).spilled
+        );
+        // The other worker busy too: 8 blocks outstanding there, so the request would not
+        // start at once anywhere; 256 ≤ 200 + 0.5 × 128.
+        let busy = Candidate { wait: 200, pending_prefill: 200, ..idle };
+        assert!(!rank(&[busy, sibling], shipped(), 192, 0, &mut out).spilled);
+        assert_eq!(out[0].candidate.slot, 1);
+        // The burst: the 12th request of 132 blocks (128 shared) behind the first's prefill
+        // and ten siblings' 4-block questions.
+        let idle = Candidate { wait: 132, own_prefill: 132, pending_prefill: 132, ..cand(0, 0, 132) };
+        let holder = Candidate { wait: 132 + 40 + 4, own_prefill: 4, pending_prefill: 48, ..cand(1, 128, 176) };
+        let r = rank(&[idle, holder], shipped(), 132, 0, &mut out);
+        assert!(!r.spilled);
+        assert_eq!(out[0].candidate.slot, 1);
     }
 
     #[test]
@@ -432,29 +480,34 @@ mod tests {
     fn the_load_test_keeps_a_holder_one_request_ahead_in_load() {
         // 192-block requests with a 128-block prefix: the holder prefills one other
         // request (192 blocks in flight and queued), the other worker is idle. Costs 704
-        // against 576: 128 more, beyond τ × 128 = 32; the waits 256 and 192 (the wait limit
-        // admits 192 + 0.5 × 128). In flight with the request: 384 against 192, one
-        // request's blocks more — within k = 1.
+        // against 576: 128 more, beyond τ × 128 = 32; the waits 256 and 192 (α 0.5 admits
+        // 192 + 0.5 × 128; the shipped limit, 0.45 with an idle worker, does not: below). In
+        // flight with the request: 384 against 192, one request's blocks more — within k = 1.
         let idle = Candidate { wait: 192, own_prefill: 192, pending_prefill: 192, ..cand(0, 0, 192) };
         let holder = Candidate { wait: 256, own_prefill: 64, pending_prefill: 256, ..cand(1, 128, 384) };
         let mut out = Vec::new();
-        // Shipped (the cost test alone): the cost decides.
-        assert!(!rank(&[idle, holder], shipped(), 192, 0, &mut out).kept_on_holder);
+        let a05 = Weights { idle_wait_slack_per_hit: None, ..shipped() };
+        // The cost test alone: the cost decides.
+        assert!(!rank(&[idle, holder], a05, 192, 0, &mut out).kept_on_holder);
         assert_eq!((out[0].candidate.slot, out[0].cost, out[1].cost), (0, 576.0, 704.0));
-        let k1 = Weights { holder_tie_load_slack: Some(1.0), ..shipped() };
+        let k1 = Weights { holder_tie_load_slack: Some(1.0), ..a05 };
         let r = rank(&[idle, holder], k1, 192, 0, &mut out);
         assert_eq!(r, RankOutcome { spilled: false, kept_on_holder: true, least_cached: false });
         assert_eq!(out[0].candidate.slot, 1);
         // k = 0.5: half a request of slack is not enough.
-        let half = Weights { holder_tie_load_slack: Some(0.5), ..shipped() };
+        let half = Weights { holder_tie_load_slack: Some(0.5), ..a05 };
         assert!(!rank(&[idle, holder], half, 192, 0, &mut out).kept_on_holder);
         // A second request decoding on the holder: two requests ahead, passed by.
         let busier = Candidate { active_blocks: 576, ..holder };
         assert!(!rank(&[idle, busier], k1, 192, 0, &mut out).kept_on_holder);
         assert_eq!(out[0].candidate.slot, 0);
-        // The load test does not stand in for the tie's other conditions: none without τ.
+        // The load test does not stand in for the tie's other conditions: none without τ,
+        // and none past the wait limit (the shipped one: 256 > 192 + 0.45 × 128).
         let untied = Weights { holder_tie_per_hit: None, ..k1 };
         assert!(!rank(&[idle, holder], untied, 192, 0, &mut out).kept_on_holder);
+        let limited = Weights { holder_tie_load_slack: Some(1.0), ..shipped() };
+        assert!(!rank(&[idle, holder], limited, 192, 0, &mut out).kept_on_holder);
+        assert_eq!(out[0].candidate.slot, 0);
     }
 
     #[test]
@@ -496,8 +549,13 @@ mod tests {
         };
         let fuller = Candidate { slot: 3, worker_key: 3, ..holder };
         let mut out = Vec::new();
-        let r =
-            rank(&[idle, fuller, partial], Weights { wait_slack_per_hit: Some(0.0), ..shipped() }, 132, 0, &mut out);
+        let r = rank(
+            &[idle, fuller, partial],
+            Weights { wait_slack_per_hit: Some(0.0), idle_wait_slack_per_hit: None, ..shipped() },
+            132,
+            0,
+            &mut out,
+        );
         assert!(r.kept_on_holder);
         assert_eq!(out[0].candidate.slot, 2);
         // Without the limit the fuller one.
@@ -519,6 +577,7 @@ mod tests {
             prefill_load: 0.0,
             offload_hit_credit: 0.5,
             wait_slack_per_hit: Some(0.5),
+            idle_wait_slack_per_hit: None,
             holder_tie_per_hit: None,
             holder_tie_load_slack: None,
         };
@@ -541,6 +600,7 @@ mod tests {
             prefill_load: 1.0,
             offload_hit_credit: 0.5,
             wait_slack_per_hit: Some(0.5),
+            idle_wait_slack_per_hit: None,
             holder_tie_per_hit: None,
             holder_tie_load_slack: None,
         };

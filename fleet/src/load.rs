@@ -143,6 +143,9 @@ fn positive_seconds(s: &str) -> Result<f64, String> {
 
 /// Tokens per block for the oracle and the prefix hash (the fleet's block size).
 const BLOCK: usize = 16;
+/// The response header a router explains its decision in (kvroute's `debug_header` as the
+/// benchmarks set it).
+const ROUTE_HEADER: &str = "x-kvroute-debug";
 
 #[derive(Debug, Clone, Serialize)]
 pub struct Sample {
@@ -155,6 +158,10 @@ pub struct Sample {
     pub worker: String,
     /// Seconds from the start of the run to the send.
     pub sent_s: f64,
+    /// The router's account of its decision, when it sends one (kvroute's `debug_header`,
+    /// `x-kvroute-debug`): for reading why a slow request went where it did.
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub route: String,
     #[serde(skip)]
     pub answer: String,
     #[serde(skip)]
@@ -340,6 +347,7 @@ pub async fn send(sender: &Sender, c: &Conversation, max_tokens: usize, key: u64
         cached_tokens: 0,
         worker: String::new(),
         sent_s: t0.duration_since(sender.start).as_secs_f64(),
+        route: String::new(),
         answer: String::new(),
         answer_ids: Vec::new(),
         prompt: planned.to_vec(),
@@ -365,6 +373,9 @@ pub async fn send(sender: &Sender, c: &Conversation, max_tokens: usize, key: u64
             let status = resp.status();
             let why = resp.into_body().collect().await.map(|b| b.to_bytes()).unwrap_or_default();
             return Err(format!("status {status}: {}", String::from_utf8_lossy(&why[..why.len().min(300)])));
+        }
+        if let Some(route) = resp.headers().get(ROUTE_HEADER).and_then(|v| v.to_str().ok()) {
+            s.route = route.to_string();
         }
         let mut body = resp.into_body();
         let mut buf = String::new();
@@ -725,6 +736,7 @@ mod tests {
             cached_tokens: 0,
             worker: String::new(),
             sent_s,
+            route: String::new(),
             answer: String::new(),
             answer_ids: Vec::new(),
             prompt,

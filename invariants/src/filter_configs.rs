@@ -20,6 +20,7 @@ pub fn check(data: &[u8]) {
         for w in [c.overlap_weight, c.prefill_overlap_weight, c.decode_overlap_weight, c.prefill_load_weight]
             .into_iter()
             .chain(c.wait_slack_per_hit)
+            .chain(c.idle_wait_slack_per_hit)
             .chain(c.holder_tie_per_hit)
             .chain(c.holder_tie_load_slack)
         {

@@ -224,9 +224,10 @@ fn the_wait_limit_spills_a_burst_once_its_queue_outweighs_the_prefix() {
     // the first (the cost keeps them together), each adding its tail to the holder's
     // queue: the k-th waits for 32 + 2k blocks there, against 32 on an idle worker. At
     // α = 0.5 the prefix's 30 hits buy 15 blocks of queue: the 8th sibling (48 > 47) goes
-    // elsewhere, and its decision says so.
+    // elsewhere, and its decision says so. (One α throughout: the shipped limit is 0.45
+    // while a worker is idle, as here, and passes over the 7th.)
     let (store, _) = fleet(8, vec![]);
-    let mut r = Router::new(cfg(r#"{"wait_slack_per_hit": 0.5}"#));
+    let mut r = Router::new(cfg(r#"{"wait_slack_per_hit": 0.5, "idle_wait_slack_per_hit": null}"#));
     let mut places = Vec::new();
     let mut spilled = Vec::new();
     let mut held = Vec::new();
