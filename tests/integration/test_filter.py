@@ -254,18 +254,19 @@ def test_burst_before_any_event_lands_on_one_worker(setup):
 
 
 def test_the_wait_limit_spills_a_burst_whose_queue_outweighs_its_prefix(setup):
-    """The shipped wait limit (0.5 blocks of extra queueing per hit) at the shipped weight:
-    12 requests share a 30-block prefix and bring 2 blocks each. The holder's queue grows
-    by 2 blocks a request; once it would keep a request waiting more than 15 blocks longer
-    than an idle worker (the 9th), that request goes elsewhere, and its successors follow
-    it there (they hit its in-flight blocks with nothing long queued ahead)."""
+    """The shipped wait limit at the shipped weight, with idle workers about (0.45 blocks of
+    extra queueing per hit, `idle_wait_slack_per_hit`): 12 requests share a 30-block prefix
+    and bring 2 blocks each. The holder's queue grows by 2 blocks a request; once it would
+    keep a request waiting more than 13.5 blocks longer than an idle worker (the 8th), that
+    request goes elsewhere, and its successors follow it there (they hit its in-flight
+    blocks with nothing long queued ahead)."""
     s = setup(n_workers=4)
     decided = burst(s, tokens(7, 30 * 16))
     workers = [d["worker"] for d in decided]
     # Request i waits for 32 + 2i blocks on the holder against 32 on an idle worker:
-    # within 32 + 0.5 × 30 = 47 up to i = 7.
-    assert len(set(workers[:8])) == 1 and len(set(workers[8:])) == 1 and workers[8] != workers[0], workers
-    assert [d.get("spilled") for d in decided] == [None] * 8 + ["1"] + [None] * 3, decided
+    # within 32 + 0.45 × 30 = 45.5 up to i = 6.
+    assert len(set(workers[:7])) == 1 and len(set(workers[7:])) == 1 and workers[7] != workers[0], workers
+    assert [d.get("spilled") for d in decided] == [None] * 7 + ["1"] + [None] * 4, decided
     wait_for(lambda: s.envoy.stat("kvroute.spilled") == 1, what="kvroute.spilled == 1")
 
 
