@@ -446,7 +446,7 @@ impl Router {
             // Only where the chosen worker computes the prefill: a PD decode worker waits
             // for none.
             wait_slack_per_hit: self.cfg.wait_slack_per_hit.filter(|_| prefills),
-            idle_wait_slack_per_hit: self.cfg.idle_wait_slack_per_hit,
+            idle_wait_slack_per_hit: self.cfg.idle_wait_slack_per_hit.filter(|_| prefills),
             holder_tie_per_hit: self.cfg.holder_tie_per_hit.filter(|_| prefills),
             holder_tie_load_slack: self.cfg.holder_tie_load_slack.filter(|_| prefills),
         };

@@ -190,8 +190,11 @@ pub fn rank(
             .then(a.candidate.slot.cmp(&b.candidate.slot))
     });
     let least = out.iter().map(|s| s.candidate.wait).min().unwrap_or(0);
-    let idle = out.iter().any(|s| s.candidate.wait <= s.candidate.own_prefill);
-    let slack = weights.wait_slack_per_hit.map(|a| if idle { weights.idle_wait_slack_per_hit.unwrap_or(a) } else { a });
+    // Idle: some worker has no prefill outstanding (its wait is the request's own).
+    let slack = weights.wait_slack_per_hit.map(|a| match weights.idle_wait_slack_per_hit {
+        Some(idle) if out.iter().any(|s| s.candidate.wait <= s.candidate.own_prefill) => idle,
+        _ => a,
+    });
     let admissible = |s: &Scored| {
         let Some(alpha) = slack else { return true };
         let c = &s.candidate;
