@@ -171,3 +171,28 @@ def test_peers_run_on_dynamos_mocker(tmp_path):
     # Every request scored by its blocks: the sidecar read the mocker's events.
     assert runs["kvroute_w1"]["scored"] == 8 and runs["kvroute_w1"]["hit_rate"] > 0, runs["kvroute_w1"]
     assert runs["dynamo_kv"]["peer_events_stored"].get("ok", 0) > 0, runs["dynamo_kv"]
+
+
+def test_session_steps_reads_the_committed_agentic_runs(tmp_path):
+    """benches/session_steps.py on the samples docs/peers-mocker-agentic keeps: the per-step
+    table and engine counts its README quotes, and a clear error for samples without their
+    run's results.json entry."""
+    runs = ROOT / "docs" / "peers-mocker-agentic"
+    samples = sorted(str(p) for p in runs.glob("*/samples/*.json"))
+    r = subprocess.run([sys.executable, str(ROOT / "benches" / "session_steps.py"), *samples, "--every-s", "20"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    rows = {line.split(" | ")[0].strip("| "): line for line in r.stdout.splitlines() if line.startswith("| ")}
+    assert rows["kvroute_dbg"].startswith("| kvroute_dbg | 0.75, 67 | 0.85, 89 |") and rows["kvroute_dbg"].endswith("| 0.71 |")
+    assert rows["vllm_router_cache_aware"].endswith("| 0.78 |")
+    assert "t=   40 s    7   0   6   0   6   0   6   7" in r.stdout
+    assert "counted a hit rate of 0.87, the engines found 0.71; 111 of 256" in r.stdout
+    assert "dynamo_kv: the samples do not name engines" in r.stdout
+
+    stray = tmp_path / "samples" / "agentic_70.kvroute_dbg.json"
+    stray.parent.mkdir()
+    stray.write_text((runs / "a" / "samples" / "agentic_70.kvroute_dbg.json").read_text())
+    (tmp_path / "results.json").write_text(json.dumps({"runs": []}))
+    bad = subprocess.run([sys.executable, str(ROOT / "benches" / "session_steps.py"), str(stray)],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "no run of agentic_70 kvroute_dbg" in bad.stderr

@@ -1,0 +1,108 @@
+#!/usr/bin/env python3
+"""Per step of a multi-turn workload (chat, agentic), each line's hit rate and TTFT, from
+the per-request samples `peers.py --keep-samples` kept; for a line whose samples name the
+engine (the fleet's engines, or kvroute's `route` when its line sets `debug_header`), how
+many conversations each engine carried over time, and how often the router's own count
+of a request's cache hits exceeded what the engine found (the blocks were evicted between
+the decision and the prefill, or the router's view was stale).
+
+    python3 benches/peers.py --sim mocker --workloads agentic_70 --keep-samples --out DIR \\
+        --lines kvroute_dbg,vllm_router_cache_aware \\
+        --kvroute 'kvroute_dbg={"overlap_weight":1,"debug_header":"x-kvroute-debug"}'
+    python3 benches/session_steps.py DIR/samples/agentic_70.*.json
+
+A step is a request's turn within its conversation (the samples' `key`), in sending order.
+"""
+import argparse
+import collections
+import json
+import pathlib
+import statistics
+
+BLOCK_TOKENS = 16
+
+
+def route_fields(sample):
+    """The `x-kvroute-debug` fields (worker=..;hits=..;...) of a sample, or {}."""
+    return dict(kv.split("=", 1) for kv in (sample.get("route") or "").split(";") if "=" in kv)
+
+
+def engine_of(sample):
+    return sample.get("worker") or route_fields(sample).get("worker") or ""
+
+
+def by_step(samples):
+    """{step: [sample]} with steps counted from 1 per conversation, in sending order."""
+    seen, steps = collections.Counter(), collections.defaultdict(list)
+    for s in sorted(samples, key=lambda s: s["sent_s"]):
+        seen[s["key"]] += 1
+        steps[seen[s["key"]]].append(s)
+    return steps
+
+
+def step_table(runs):
+    """Markdown: per line, each step's cached ÷ prompt tokens and median TTFT (model ms)."""
+    n = max(len(by_step(r["samples"])) for r in runs.values())
+    head = "| line | " + " | ".join(f"step {i}" for i in range(1, n + 1)) + " | all |"
+    rows = [head, "|---|" + "---:|" * (n + 1)]
+    for label, r in runs.items():
+        cells = []
+        for i, xs in sorted(by_step(r["samples"]).items()):
+            hit = sum(x["cached_tokens"] for x in xs) / max(1, sum(x["prompt_tokens"] for x in xs))
+            cells.append(f"{hit:.2f}, {statistics.median(x['ttft_ms'] for x in xs) * r['speedup']:.0f}")
+        hit = sum(x["cached_tokens"] for x in r["samples"]) / max(1, sum(x["prompt_tokens"] for x in r["samples"]))
+        rows.append(f"| {label} | " + " | ".join(cells) + f" | {hit:.2f} |")
+    return "\n".join(rows)
+
+
+def engine_report(label, r, every_s):
+    """Conversations in flight per engine every `every_s` seconds (wall), and the router's
+    counted hits against the engine's, for a line whose samples name engines."""
+    xs = r["samples"]
+    if not all(engine_of(x) for x in xs):
+        return f"{label}: the samples do not name engines"
+    end = max(x["sent_s"] + x["e2e_ms"] / 1000 for x in xs)
+    engines = sorted({engine_of(x) for x in xs})
+    out = [f"{label}: requests in flight per engine ({', '.join(e.rsplit(':', 1)[-1] for e in engines)})"]
+    t = every_s
+    while t < end:
+        live = collections.Counter(engine_of(x) for x in xs if x["sent_s"] <= t < x["sent_s"] + x["e2e_ms"] / 1000)
+        out.append(f"  t={t:5.0f} s  " + " ".join(f"{live[e]:3d}" for e in engines))
+        t += every_s
+    counted = [(int(route_fields(x)["hits"]) * BLOCK_TOKENS, x) for x in xs if "hits" in route_fields(x)]
+    if counted:
+        short = [(c - x["cached_tokens"], x) for c, x in counted if c - x["cached_tokens"] >= BLOCK_TOKENS]
+        prompt = sum(x["prompt_tokens"] for _, x in counted)
+        believed = sum(min(c, x["prompt_tokens"]) for c, x in counted) / prompt
+        found = sum(x["cached_tokens"] for _, x in counted) / prompt
+        out.append(f"  the router counted a hit rate of {believed:.2f}, the engines found {found:.2f}; "
+                   f"{len(short)} of {len(counted)} requests found at least a block less than counted")
+    return "\n".join(out)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("samples", nargs="+", help="<workload>.<line>.json files from peers.py --keep-samples")
+    ap.add_argument("--every-s", type=float, default=10.0, help="wall seconds between in-flight counts")
+    args = ap.parse_args()
+    runs = {}
+    for f in args.samples:
+        path = pathlib.Path(f)
+        r = json.loads(path.read_text())
+        # The samples' times are wall clock; the run's results.json (beside samples/) has
+        # the speed-up that turns them into model time.
+        workload = path.name.split(".", 1)[0]
+        results = json.loads((path.parent.parent / "results.json").read_text())
+        speedups = [x["speedup"] for x in results["runs"] if (x["workload"], x["label"]) == (workload, r["label"])]
+        if not speedups:
+            raise SystemExit(f"{path}: no run of {workload} {r['label']} in {path.parent.parent / 'results.json'}")
+        r["speedup"] = speedups[0]
+        runs[r["label"]] = r
+    print(step_table(runs))
+    for label, r in runs.items():
+        print()
+        print(engine_report(label, r, args.every_s))
+
+
+if __name__ == "__main__":
+    main()
