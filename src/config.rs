@@ -109,6 +109,7 @@ struct RawFilterConfig {
     idle_wait_slack_per_hit: Option<f64>,
     holder_tie_per_hit: Option<f64>,
     holder_tie_load_slack: Option<f64>,
+    kv_capacity_blocks: Option<u32>,
     tie_break: TieBreak,
 }
 
@@ -141,6 +142,7 @@ impl Default for RawFilterConfig {
             idle_wait_slack_per_hit: Some(DEFAULT_IDLE_WAIT_SLACK_PER_HIT),
             holder_tie_per_hit: Some(DEFAULT_HOLDER_TIE_PER_HIT),
             holder_tie_load_slack: None,
+            kv_capacity_blocks: None,
             tie_break: TieBreak::LeastCached,
         }
     }
@@ -203,6 +205,9 @@ pub struct FilterConfig {
     /// its cost. `None` (the default): the cost test alone. No effect without
     /// `holder_tie_per_hit`.
     pub holder_tie_load_slack: Option<f64>,
+    /// The memory limit ([`crate::score`]): the KV blocks each engine can hold. `None`
+    /// (the default): no limit.
+    pub kv_capacity_blocks: Option<u32>,
     pub tie_break: TieBreak,
 }
 
@@ -264,6 +269,9 @@ impl FilterConfig {
         let holder_tie_per_hit = raw.holder_tie_per_hit.map(|v| weight("holder_tie_per_hit", v)).transpose()?;
         let holder_tie_load_slack =
             raw.holder_tie_load_slack.map(|v| weight("holder_tie_load_slack", v)).transpose()?;
+        if raw.kv_capacity_blocks == Some(0) {
+            return Err(bad("kv_capacity_blocks", "must be at least 1"));
+        }
         let overlap_weight = weight("overlap_weight", raw.overlap_weight)?;
         let prefill = match raw.prefill_overlap_weight {
             Some(v) => weight("prefill_overlap_weight", v)?,
@@ -327,6 +335,7 @@ impl FilterConfig {
             idle_wait_slack_per_hit,
             holder_tie_per_hit,
             holder_tie_load_slack,
+            kv_capacity_blocks: raw.kv_capacity_blocks,
             tie_break: raw.tie_break,
         })
     }
@@ -464,6 +473,9 @@ mod tests {
         assert_eq!(c.holder_tie_load_slack, None);
         let load_test = FilterConfig::from_json(br#"{"holder_tie_load_slack": 1}"#).unwrap();
         assert_eq!(load_test.holder_tie_load_slack, Some(1.0));
+        assert_eq!(c.kv_capacity_blocks, None);
+        let limited = FilterConfig::from_json(br#"{"kv_capacity_blocks": 512}"#).unwrap();
+        assert_eq!(limited.kv_capacity_blocks, Some(512));
         assert_eq!(c.destination_via, DestinationVia::Header);
         let native = FilterConfig::from_json(br#"{"destination_via": "upstream_override"}"#).unwrap();
         assert_eq!(native.destination_via, DestinationVia::UpstreamOverride);
@@ -505,6 +517,9 @@ mod tests {
             (r#"{"holder_tie_per_hit": "yes"}"#, "invalid type"),
             (r#"{"holder_tie_load_slack": -1}"#, "holder_tie_load_slack"),
             (r#"{"holder_tie_load_slack": 1e7}"#, "holder_tie_load_slack"),
+            (r#"{"kv_capacity_blocks": 0}"#, "kv_capacity_blocks"),
+            (r#"{"kv_capacity_blocks": -1}"#, "invalid value"),
+            (r#"{"kv_capacity_blocks": 0.5}"#, "invalid type"),
             (r#"{"active_blocks": "current"}"#, "unknown variant"),
             (r#"{"destination_via": "cookie"}"#, "unknown variant"),
             (r#"[1]"#, "invalid"),

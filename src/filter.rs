@@ -39,6 +39,7 @@ struct Metrics {
     shared_reads: BatchedCounter,
     prefill_releases: BatchedCounter,
     spilled: BatchedCounter,
+    memory_limited: BatchedCounter,
     kept_on_holder: BatchedCounter,
     least_cached: BatchedCounter,
     override_refused: BatchedCounter,
@@ -63,6 +64,7 @@ impl Metrics {
             shared_reads: counter("kvroute.shared_reads"),
             prefill_releases: counter("kvroute.prefill_releases"),
             spilled: counter("kvroute.spilled"),
+            memory_limited: counter("kvroute.memory_limited"),
             kept_on_holder: counter("kvroute.kept_on_holder"),
             least_cached: counter("kvroute.least_cached"),
             override_refused: counter("kvroute.upstream_override_refused"),
@@ -92,6 +94,7 @@ impl Metrics {
         self.update_failures.add(u64::from(d.update_failures));
         self.shared_reads.add(u64::from(d.shared_reads));
         self.spilled.add(u64::from(d.spilled));
+        self.memory_limited.add(u64::from(d.memory_limited));
         self.kept_on_holder.add(u64::from(d.kept_on_holder));
         self.least_cached.add(u64::from(d.least_cached));
         self.unflushed += 1;
@@ -110,6 +113,7 @@ impl Metrics {
             &mut self.shared_reads,
             &mut self.prefill_releases,
             &mut self.spilled,
+            &mut self.memory_limited,
             &mut self.kept_on_holder,
             &mut self.least_cached,
             &mut self.override_refused,

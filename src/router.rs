@@ -112,6 +112,8 @@ pub struct Decision {
     pub shared_reads: u32,
     /// The wait limit passed over the cheapest worker (`wait_slack_per_hit`).
     pub spilled: bool,
+    /// The memory limit passed over the cheapest worker (`kv_capacity_blocks`).
+    pub memory_limited: bool,
     /// The holder tie put a worker with more cache hits first (`holder_tie_per_hit`).
     pub kept_on_holder: bool,
     /// A tie went to the worker holding the fewest blocks (`tie_break`).
@@ -121,11 +123,12 @@ pub struct Decision {
 impl Decision {
     fn note(&mut self, r: RankOutcome) {
         self.spilled |= r.spilled;
+        self.memory_limited |= r.memory_limited;
         self.kept_on_holder |= r.kept_on_holder;
         self.least_cached |= r.least_cached;
     }
 
-    /// `worker=…;hits=…;blocks=…;cost=…[;offloaded=…][;prefill=…][;spilled=1][;holder=1][;least_cached=1][;fallback=…]`
+    /// `worker=…;hits=…;blocks=…;cost=…[;offloaded=…][;prefill=…][;spilled=1][;memory=1][;holder=1][;least_cached=1][;fallback=…]`
     /// for the debug response header.
     pub fn debug_value(&self) -> String {
         let mut s = String::new();
@@ -139,6 +142,9 @@ impl Decision {
         }
         if self.spilled {
             s.push_str(";spilled=1");
+        }
+        if self.memory_limited {
+            s.push_str(";memory=1");
         }
         if self.kept_on_holder {
             s.push_str(";holder=1");
@@ -420,7 +426,8 @@ impl Router {
             unseen &= of(&scan.hits) == 0 && of(&scan.in_flight) == 0;
             // Potential: what the worker would carry with this request added — the blocks
             // already in flight there count once.
-            let added = if potential { request_blocks.saturating_sub(of(&scan.in_flight)) } else { 0 };
+            let new_blocks = request_blocks.saturating_sub(of(&scan.in_flight));
+            let added = if potential { new_blocks } else { 0 };
             // The worker's prefill queue with this request added: its outstanding prefill,
             // less what siblings compute there on this request's blocks (work this request
             // needs done anyway), plus the request's own.
@@ -436,6 +443,7 @@ impl Router {
                 wait: outstanding.saturating_add(own),
                 own_prefill: own,
                 cached_blocks: self.cached.as_ref().map_or(0, |c| c.get(slot)),
+                memory_blocks: r.load.get(slot).saturating_add(new_blocks),
                 worker_key: r.keys.get(slot).copied().unwrap_or(0),
             });
         }
@@ -449,6 +457,7 @@ impl Router {
             idle_wait_slack_per_hit: self.cfg.idle_wait_slack_per_hit.filter(|_| prefills),
             holder_tie_per_hit: self.cfg.holder_tie_per_hit.filter(|_| prefills),
             holder_tie_load_slack: self.cfg.holder_tie_load_slack.filter(|_| prefills),
+            kv_capacity_blocks: self.cfg.kv_capacity_blocks,
         };
         let mut outcome = rank(&self.candidates, weights, request_blocks, r.key, &mut self.scored);
         // Only a new prefix is placed by the counts. One that a busy worker holds spills by

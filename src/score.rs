@@ -29,6 +29,16 @@
 //! it makes costs no one queueing; with every worker busy, a copy's prefill lands in
 //! another worker's queue and the holder is kept longer.
 //!
+//! The memory limit (`kv_capacity_blocks`, off by default): a worker whose in-flight
+//! requests would hold more distinct blocks than its engine's KV cache, with this
+//! request's new blocks added (`memory_blocks`), is passed over while another has room, as
+//! the wait limit passes over one. The engine cannot run them all at once: the request
+//! waits for memory there, and while it waits the engine evicts the cached prefix it was
+//! sent for. The cost does not see it: it weighs blocks in flight against blocks to
+//! prefill, never against what an engine holds, and a shared system prompt makes one more
+//! long-lived session on its holder look cheap (docs/benchmarks.md, "On the second
+//! simulator").
+//!
 //! The holder tie (`holder_tie_per_hit`, τ): at weight 1 a worker holding the request's
 //! prefix while it prefills another request's cold prompt carries that prompt twice, as
 //! load and as queue, and can cost a few blocks more than an idle worker holding nothing,
@@ -78,6 +88,9 @@ pub struct Candidate {
     pub own_prefill: u32,
     /// Blocks the worker holds in GPU memory, for tie-breaking; 0 when not read.
     pub cached_blocks: u32,
+    /// The distinct blocks the worker's in-flight requests would hold with this request
+    /// added, for the memory limit.
+    pub memory_blocks: u32,
     /// Stable hash of the worker's id, for tie-breaking (see [`worker_key`]).
     pub worker_key: u64,
 }
@@ -87,6 +100,8 @@ pub struct Candidate {
 pub struct RankOutcome {
     /// The wait limit passed over the cheapest worker.
     pub spilled: bool,
+    /// The memory limit passed over the cheapest worker.
+    pub memory_limited: bool,
     /// The holder tie put a worker with more cache hits before the cheapest.
     pub kept_on_holder: bool,
     /// The first two tied on cost and hits and the one with fewer cached blocks came first.
@@ -117,6 +132,8 @@ pub struct Weights {
     /// k of the holder tie (module docs), in the request's blocks; `None`: the cost test
     /// alone.
     pub holder_tie_load_slack: Option<f64>,
+    /// The memory limit (module docs): the KV blocks a worker can hold; `None`: no limit.
+    pub kv_capacity_blocks: Option<u32>,
 }
 
 /// The specification's cost function.
@@ -195,16 +212,21 @@ pub fn rank(
         Some(idle) if out.iter().any(|s| s.candidate.wait <= s.candidate.own_prefill) => idle,
         _ => a,
     });
+    // The memory limit applies while some worker has room for the request.
+    let room = weights.kv_capacity_blocks.filter(|&cap| out.iter().any(|s| s.candidate.memory_blocks <= cap));
+    let overfills = |s: &Scored| room.is_some_and(|cap| s.candidate.memory_blocks > cap);
     let admissible = |s: &Scored| {
-        let Some(alpha) = slack else { return true };
         let c = &s.candidate;
-        f64::from(c.wait) <= f64::from(least.max(c.own_prefill)) + alpha * c.effective_hits(offload_hit_credit)
+        let Some(alpha) = slack else { return !overfills(s) };
+        !overfills(s)
+            && f64::from(c.wait) <= f64::from(least.max(c.own_prefill)) + alpha * c.effective_hits(offload_hit_credit)
     };
     let mut outcome = RankOutcome::default();
-    if !out.first().is_none_or(admissible) {
+    if let Some(cheapest) = out.first().copied().filter(|s| !admissible(s)) {
         // Stable: cost order within each side.
         out.sort_by_key(|s| !admissible(s));
-        outcome.spilled = true;
+        outcome.memory_limited = overfills(&cheapest);
+        outcome.spilled = !outcome.memory_limited;
     }
     if let (Some(tau), Some(best)) = (weights.holder_tie_per_hit, out.first().copied()) {
         let load_reach = weights
@@ -252,6 +274,7 @@ mod tests {
             wait: 0,
             own_prefill: 0,
             cached_blocks: 0,
+            memory_blocks: 0,
             worker_key: worker_key(&slot.to_string()),
         }
     }
@@ -265,6 +288,7 @@ mod tests {
             idle_wait_slack_per_hit: None,
             holder_tie_per_hit: None,
             holder_tie_load_slack: None,
+            kv_capacity_blocks: None,
         }
     }
 
@@ -366,12 +390,43 @@ mod tests {
             idle_wait_slack_per_hit: None,
             holder_tie_per_hit: None,
             holder_tie_load_slack: None,
+            kv_capacity_blocks: None,
         };
         rank(&[w0, w1], weights, 10, 0, &mut out);
         assert_eq!((out[0].candidate.slot, out[0].cost, out[1].cost), (1, 4.0, 24.0));
         // Weight 0: the prefill term is gone, and the cost is the specification's.
         rank(&[w0, w1], Weights { prefill_load: 0.0, ..weights }, 10, 0, &mut out);
         assert_eq!((out[0].cost, out[1].cost), (cost(1.0, 10, 8, 2), cost(1.0, 10, 8, 2)));
+    }
+
+    /// An agent's step: its holder has 234 of 252 blocks cached and 560 blocks in flight
+    /// (the request's 18 new ones added: 578); an idle engine with the shared 128 would
+    /// hold the request's 252. Engines of 512 blocks.
+    #[test]
+    fn the_memory_limit_passes_over_an_engine_the_request_would_overfill() {
+        let holder = Candidate { memory_blocks: 578, ..cand(0, 234, 578) };
+        let idle = Candidate { memory_blocks: 252, ..cand(1, 128, 252) };
+        let mut out = Vec::new();
+        // The cost alone: 18 + 578 against 124 + 252, the idle engine wins anyway at
+        // weight 1; at weight 4 the holder (72 + 578 against 496 + 252).
+        assert_eq!(rank(&[idle, holder], w(4.0, 0.5), 252, 0, &mut out), RankOutcome::default());
+        assert_eq!(out[0].candidate.slot, 0);
+        let limited = Weights { kv_capacity_blocks: Some(512), ..w(4.0, 0.5) };
+        assert_eq!(
+            rank(&[idle, holder], limited, 252, 0, &mut out),
+            RankOutcome { memory_limited: true, ..RankOutcome::default() }
+        );
+        assert_eq!((out[0].candidate.slot, out[1].candidate.slot), (1, 0));
+        // Room to spare: the limit does not move it.
+        assert!(
+            !rank(&[idle, holder], Weights { kv_capacity_blocks: Some(578), ..limited }, 252, 0, &mut out)
+                .memory_limited
+        );
+        assert_eq!(out[0].candidate.slot, 0);
+        // No engine has room: the cost decides, as without a limit.
+        let full = Candidate { memory_blocks: 600, ..idle };
+        assert!(!rank(&[full, holder], limited, 252, 0, &mut out).memory_limited);
+        assert_eq!(out[0].candidate.slot, 0);
     }
 
     /// A hot prefix's holder: 128 of a 192-block request cached, 300 blocks of prefill
@@ -389,6 +444,7 @@ mod tests {
             idle_wait_slack_per_hit: None,
             holder_tie_per_hit: None,
             holder_tie_load_slack: None,
+            kv_capacity_blocks: None,
         };
         // The cost alone: 64 + 400 against 192 + 500, the holder.
         assert!(!rank(&[cold, holder], off, 192, 0, &mut out).spilled);
@@ -426,6 +482,7 @@ mod tests {
             idle_wait_slack_per_hit: Some(DEFAULT_IDLE_WAIT_SLACK_PER_HIT),
             holder_tie_per_hit: Some(DEFAULT_HOLDER_TIE_PER_HIT),
             holder_tie_load_slack: None,
+            kv_capacity_blocks: None,
         }
     }
 
@@ -471,7 +528,7 @@ mod tests {
         assert_eq!((out[0].candidate.slot, out[0].cost, out[1].cost), (0, 396.0, 404.0));
         // τ = 0.25: 8 blocks dearer for 128 more hits is within 32.
         let r = rank(&copy_case(), shipped(), 132, 0, &mut out);
-        assert_eq!(r, RankOutcome { spilled: false, kept_on_holder: true, least_cached: false });
+        assert_eq!(r, RankOutcome { kept_on_holder: true, ..RankOutcome::default() });
         assert_eq!((out[0].candidate.slot, out[1].candidate.slot), (1, 0));
         // τ = 0.05: 8 > 6.4, the cost decides.
         let r = rank(&copy_case(), Weights { holder_tie_per_hit: Some(0.05), ..shipped() }, 132, 0, &mut out);
@@ -495,7 +552,7 @@ mod tests {
         assert_eq!((out[0].candidate.slot, out[0].cost, out[1].cost), (0, 576.0, 704.0));
         let k1 = Weights { holder_tie_load_slack: Some(1.0), ..a05 };
         let r = rank(&[idle, holder], k1, 192, 0, &mut out);
-        assert_eq!(r, RankOutcome { spilled: false, kept_on_holder: true, least_cached: false });
+        assert_eq!(r, RankOutcome { kept_on_holder: true, ..RankOutcome::default() });
         assert_eq!(out[0].candidate.slot, 1);
         // k = 0.5: half a request of slack is not enough.
         let half = Weights { holder_tie_load_slack: Some(0.5), ..a05 };
@@ -583,6 +640,7 @@ mod tests {
             idle_wait_slack_per_hit: None,
             holder_tie_per_hit: None,
             holder_tie_load_slack: None,
+            kv_capacity_blocks: None,
         };
         assert!(rank(&all, weights, 10, 0, &mut out).spilled);
         let order: Vec<usize> = out.iter().map(|s| s.candidate.slot).collect();
@@ -606,6 +664,7 @@ mod tests {
             idle_wait_slack_per_hit: None,
             holder_tie_per_hit: None,
             holder_tie_load_slack: None,
+            kv_capacity_blocks: None,
         };
         assert!(!rank(&[holder, cold], weights, 144, 0, &mut out).spilled);
         assert_eq!(out[0].candidate.slot, 1);

@@ -27,6 +27,7 @@ pub fn check(data: &[u8]) {
             assert!(w.is_finite() && (0.0..=1e6).contains(&w), "weight {w}");
         }
         assert!((0.0..=1.0).contains(&c.offload_hit_credit));
+        assert!(c.kv_capacity_blocks != Some(0), "{c:?}");
         let headers: Vec<&str> = [&c.token_header, &c.token_header_b64, &c.destination_header, &c.prefiller_header]
             .into_iter()
             .map(String::as_str)

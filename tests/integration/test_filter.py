@@ -270,6 +270,22 @@ def test_the_wait_limit_spills_a_burst_whose_queue_outweighs_its_prefix(setup):
     wait_for(lambda: s.envoy.stat("kvroute.spilled") == 1, what="kvroute.spilled == 1")
 
 
+def test_the_memory_limit_splits_a_burst_an_engine_cannot_hold(setup):
+    """The burst that stays whole on one worker above (a 64-block prefix, 2-block
+    questions, weight 4), with engines of 74 blocks: a worker holding the prefix and k of
+    the burst in flight would hold 64 + 2k + 2 with the next added, so five fit and the
+    sixth goes elsewhere (memory=1, counted); no worker ever carries more than five."""
+    s = setup(n_workers=4, filter_config={"overlap_weight": 4, "kv_capacity_blocks": 74})
+    decided = burst(s, tokens(7, 64 * 16))
+    workers = [d["worker"] for d in decided]
+    assert len(set(workers[:5])) == 1 and workers[5] != workers[0], workers
+    assert max(workers.count(w) for w in set(workers)) == 5, workers
+    assert [d.get("memory") for d in decided[:6]] == [None] * 5 + ["1"], decided
+    assert not any(d.get("spilled") for d in decided), decided
+    limited = sum(d.get("memory") == "1" for d in decided)
+    wait_for(lambda: s.envoy.stat("kvroute.memory_limited") == limited, what=f"kvroute.memory_limited == {limited}")
+
+
 @pytest.mark.parametrize("tie", [True, False])
 def test_the_holder_tie_keeps_a_prefix_on_its_busy_holder(setup, tie):
     """Worker 0 holds a 64-block prefix P and is prefilling another prompt Q (64 uncached
