@@ -217,9 +217,10 @@ pub fn rank(
     let overfills = |s: &Scored| room.is_some_and(|cap| s.candidate.memory_blocks > cap);
     let admissible = |s: &Scored| {
         let c = &s.candidate;
-        let Some(alpha) = slack else { return !overfills(s) };
         !overfills(s)
-            && f64::from(c.wait) <= f64::from(least.max(c.own_prefill)) + alpha * c.effective_hits(offload_hit_credit)
+            && slack.is_none_or(|alpha| {
+                f64::from(c.wait) <= f64::from(least.max(c.own_prefill)) + alpha * c.effective_hits(offload_hit_credit)
+            })
     };
     let mut outcome = RankOutcome::default();
     if let Some(cheapest) = out.first().copied().filter(|s| !admissible(s)) {
