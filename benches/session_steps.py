@@ -19,6 +19,7 @@ import json
 import pathlib
 import statistics
 
+# kvroute's and the simulators' block size in the head-to-head (peers.py).
 BLOCK_TOKENS = 16
 
 
@@ -56,7 +57,7 @@ def step_table(runs):
 
 
 def engine_report(label, r, every_s):
-    """Conversations in flight per engine every `every_s` seconds (wall), and the router's
+    """Requests in flight per engine every `every_s` seconds (wall), and the router's
     counted hits against the engine's, for a line whose samples name engines."""
     xs = r["samples"]
     if not all(engine_of(x) for x in xs):
@@ -97,6 +98,11 @@ def main():
         if not speedups:
             raise SystemExit(f"{path}: no run of {workload} {r['label']} in {path.parent.parent / 'results.json'}")
         r["speedup"] = speedups[0]
+        # A failed request has no TTFT or cache count: the report reads the answered ones.
+        failed = sum(not x.get("ok", True) for x in r["samples"])
+        if failed:
+            print(f"{r['label']}: {failed} failed requests left out")
+        r["samples"] = [x for x in r["samples"] if x.get("ok", True)]
         runs[r["label"]] = r
     print(step_table(runs))
     for label, r in runs.items():
