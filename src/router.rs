@@ -424,10 +424,10 @@ impl Router {
         for slot in set.iter() {
             let of = |v: &[u32]| v.get(slot).copied().unwrap_or(0);
             unseen &= of(&scan.hits) == 0 && of(&scan.in_flight) == 0;
-            // Potential: what the worker would carry with this request added — the blocks
-            // already in flight there count once.
-            let new_blocks = request_blocks.saturating_sub(of(&scan.in_flight));
-            let added = if potential { new_blocks } else { 0 };
+            // What the worker would carry with this request added — the blocks already in
+            // flight there count once: the potential load, and the memory limit's count.
+            let carried = r.load.get(slot);
+            let with_request = carried.saturating_add(request_blocks.saturating_sub(of(&scan.in_flight)));
             // The worker's prefill queue with this request added: its outstanding prefill,
             // less what siblings compute there on this request's blocks (work this request
             // needs done anyway), plus the request's own.
@@ -438,12 +438,12 @@ impl Router {
                 slot,
                 cache_hits: of(&scan.hits),
                 offloaded_hits: of(&scan.offloaded),
-                active_blocks: r.load.get(slot).saturating_add(added),
+                active_blocks: if potential { with_request } else { carried },
                 pending_prefill: queued.saturating_add(own),
                 wait: outstanding.saturating_add(own),
                 own_prefill: own,
                 cached_blocks: self.cached.as_ref().map_or(0, |c| c.get(slot)),
-                memory_blocks: r.load.get(slot).saturating_add(new_blocks),
+                memory_blocks: with_request,
                 worker_key: r.keys.get(slot).copied().unwrap_or(0),
             });
         }
@@ -457,6 +457,7 @@ impl Router {
             idle_wait_slack_per_hit: self.cfg.idle_wait_slack_per_hit.filter(|_| prefills),
             holder_tie_per_hit: self.cfg.holder_tie_per_hit.filter(|_| prefills),
             holder_tie_load_slack: self.cfg.holder_tie_load_slack.filter(|_| prefills),
+            // Every choice: prefill and decode workers alike hold the request's blocks.
             kv_capacity_blocks: self.cfg.kv_capacity_blocks,
         };
         let mut outcome = rank(&self.candidates, weights, request_blocks, r.key, &mut self.scored);
