@@ -64,6 +64,7 @@ fn ranking(c: &mut Criterion) {
                 own_prefill: (s as u32 * 3) % 100,
                 cached_blocks: (s as u32 * 17) % 1000,
                 memory_blocks: (s as u32 * 13) % 500,
+                kv_capacity_blocks: Some(400),
                 worker_key: worker_key(&format!("10.0.{}.{}:8000", s / 250, s % 250)),
             })
             .collect();
@@ -76,7 +77,6 @@ fn ranking(c: &mut Criterion) {
             idle_wait_slack_per_hit: Some(0.45),
             holder_tie_per_hit: Some(0.25),
             holder_tie_load_slack: None,
-            kv_capacity_blocks: None,
         };
         g.bench_with_input(BenchmarkId::new("workers", workers), &cands, |b, cands| {
             b.iter(|| rank(black_box(cands), weights, 128, 42, &mut out))

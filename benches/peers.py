@@ -55,6 +55,7 @@ import json
 import pathlib
 import subprocess
 import sys
+import threading
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -264,6 +265,38 @@ class Fleet:
         return engines, sidecar, None
 
 
+class EngineInflight:
+    """Requests in flight at each mocker engine, read from its frontend's
+    `dynamo_frontend_inflight_requests` every `every_s` seconds while a line runs: where a
+    router put its requests when the mocker's answers do not name the engine (--keep-samples
+    only; `benches/session_steps.py` prints it)."""
+
+    def __init__(self, engines, every_s=1.0):
+        self.engines, self.every_s = engines, every_s
+        self.t0, self.rows, self.failed = time.time(), [], 0
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        while not self.done.wait(self.every_s):
+            row = []
+            for e in self.engines:
+                try:
+                    row.append(int(e.metrics().get("dynamo_frontend_inflight_requests", 0)))
+                except OSError:
+                    row.append(None)
+                    self.failed += 1
+            self.rows.append([round(time.time() - self.t0, 2), row])
+
+    def stop(self):
+        """{"engines", "every_s", "samples": [[t_s, [in flight per engine]]], "failed_reads"}."""
+        self.done.set()
+        self.thread.join()
+        return {"engines": [e.id for e in self.engines], "every_s": self.every_s, "samples": self.rows,
+                "failed_reads": self.failed}
+
+
 def drive(args, target, label, wname, wargs, engines, out):
     """One run of the workload against target: (the load generator's summary, its
     samples), or with a real client (--client) its own figures and the engines' hit rate
@@ -317,7 +350,8 @@ def main():
                     help='another kvroute line: its label and filter settings, e.g. '
                          '\'kvroute_w2={"overlap_weight": 2}\' (repeatable; runs unless --lines leaves it out)')
     ap.add_argument("--keep-samples", action="store_true",
-                    help="keep every run's per-request samples in <out>/samples/<workload>.<line>.json")
+                    help="keep every run's per-request samples in <out>/samples/<workload>.<line>.json "
+                         "(on the mocker also each engine's requests in flight every second, in results.json)")
     ap.add_argument("--out", help="results folder (default: target/peers-results[-mocker])")
     ap.add_argument("--background-cpu", type=float, default=0.0, metavar="CORES",
                     help="keep a busy loop on this share of one core (0-1) while each line runs: "
@@ -457,6 +491,7 @@ def run_line(args, procs, fleet, port, line, wname, wargs, settings, out):
         router = procs.add(Peer(kind, how, engines, port))
         metered = [router]
     burner = background_cpu(args.background_cpu)
+    sampler = EngineInflight(engines) if args.keep_samples and args.sim == "mocker" and engines else None
     try:
         cpu0 = [cpu_by_process(p) for p in metered]
         t0 = time.time()
@@ -465,6 +500,10 @@ def run_line(args, procs, fleet, port, line, wname, wargs, settings, out):
         if burner:
             burner.kill()
             burner.wait()
+        if sampler:
+            inflight = sampler.stop()
+    if sampler:
+        r["engine_inflight"] = inflight
     # Per process (kvroute: Envoy, the stage, the sidecar), ms per request.
     per_request = {}
     for p, c0 in zip(metered, cpu0):
@@ -477,6 +516,10 @@ def run_line(args, procs, fleet, port, line, wname, wargs, settings, out):
     if parts and parts["filter"]:
         wait_for(lambda: router.stat("kvroute.requests") >= r["requests"], what="the filters' counters")
         scored = router.stat("kvroute.scored")
+        # What the limits did, and each engine's capacity as the sync service learned it.
+        r["kvroute_outcomes"] = {
+            **{k: router.stat(f"kvroute.{k}") for k in ("spilled", "memory_limited", "kept_on_holder")},
+            "kv_capacity_blocks": router.worker_gauges("kvroute.kv_capacity_blocks")}
     r.update({"workload": wname, "policy": label, "router": kind, "sim": args.sim, "client": args.client,
               "wall_s": round(time.time() - t0, 1), "speedup": speedup,
               "router_cpu_ms_per_request": round(sum(v for k, v in per_request.items() if k not in NOT_ROUTER), 3),

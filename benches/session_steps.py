@@ -2,9 +2,11 @@
 """Per step of a multi-turn workload (chat, agentic), each line's hit rate and TTFT, from
 the per-request samples `peers.py --keep-samples` kept; for a line whose samples name the
 engine (the fleet's engines, or kvroute's `route` when its line sets `debug_header`), how
-many conversations each engine carried over time, and how often the router's own count
-of a request's cache hits exceeded what the engine found (the blocks were evicted between
-the decision and the prefill, or the router's view was stale).
+many conversations each engine carried over time (on the mocker, for any router: from the
+engines' own in-flight gauges, which peers.py reads every second with --keep-samples),
+and how often the router's own count of a request's cache hits exceeded what the engine
+found (the blocks were evicted between the decision and the prefill, or the router's
+view was stale).
 
     python3 benches/peers.py --sim mocker --workloads agentic_70 --keep-samples --out DIR \\
         --lines kvroute_dbg,vllm_router_cache_aware \\
@@ -61,6 +63,8 @@ def engine_report(label, r, every_s):
     counted hits against the engine's, for a line whose samples name engines."""
     xs = r["samples"]
     if not all(engine_of(x) for x in xs):
+        if r.get("engine_inflight"):
+            return sampled_report(label, r["engine_inflight"], every_s)
         return f"{label}: the samples do not name engines"
     end = max(x["sent_s"] + x["e2e_ms"] / 1000 for x in xs)
     engines = sorted({engine_of(x) for x in xs})
@@ -81,6 +85,21 @@ def engine_report(label, r, every_s):
     return "\n".join(out)
 
 
+def sampled_report(label, inflight, every_s):
+    """Requests in flight per engine every `every_s` seconds as peers.py read them from the
+    mocker engines' own gauges (the reading nearest each time; t from the line's start,
+    ~1 s before the load generator's first request)."""
+    engines, rows = inflight["engines"], inflight["samples"]
+    out = [f"{label}: requests in flight per engine, from the engines' gauges "
+           f"({', '.join(e.rsplit(':', 1)[-1] for e in engines)})"]
+    t = every_s
+    while rows and t < rows[-1][0]:
+        _, counts = min(rows, key=lambda row: abs(row[0] - t))
+        out.append(f"  t={t:5.0f} s  " + " ".join("  ?" if c is None else f"{c:3d}" for c in counts))
+        t += every_s
+    return "\n".join(out)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("samples", nargs="+", help="<workload>.<line>.json files from peers.py --keep-samples")
@@ -94,16 +113,19 @@ def main():
         # the speed-up that turns them into model time.
         workload = path.name.split(".", 1)[0]
         results = json.loads((path.parent.parent / "results.json").read_text())
-        speedups = [x["speedup"] for x in results["runs"] if (x["workload"], x["label"]) == (workload, r["label"])]
-        if not speedups:
+        run = [x for x in results["runs"] if (x["workload"], x["label"]) == (workload, r["label"])]
+        if not run:
             raise SystemExit(f"{path}: no run of {workload} {r['label']} in {path.parent.parent / 'results.json'}")
-        r["speedup"] = speedups[0]
+        r["speedup"] = run[0]["speedup"]
+        r["engine_inflight"] = run[0].get("engine_inflight")
         # A failed request has no TTFT or cache count: the report reads the answered ones.
         failed = sum(not x.get("ok", True) for x in r["samples"])
         if failed:
             print(f"{r['label']}: {failed} failed requests left out")
         r["samples"] = [x for x in r["samples"] if x.get("ok", True)]
-        runs[r["label"]] = r
+        # The same line from two runs: told apart by the run's folder.
+        label = r["label"] if r["label"] not in runs else f"{r['label']}@{path.parent.parent.name}"
+        runs[label] = r
     print(step_table(runs))
     for label, r in runs.items():
         print()

@@ -68,6 +68,47 @@ pub enum ActiveBlocks {
     InFlight,
 }
 
+/// The memory limit's capacity ([`crate::score`]): the KV blocks each engine holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KvCapacity {
+    /// No memory limit (`null`).
+    Off,
+    /// Each engine's own, as the sync service learned it from its evictions (`"learned"`,
+    /// the default); no limit on an engine that has not evicted yet.
+    Learned,
+    /// Every engine holds this many blocks (a positive integer).
+    Blocks(u32),
+}
+
+impl<'de> Deserialize<'de> for KvCapacity {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Visitor;
+        impl serde::de::Visitor<'_> for Visitor {
+            type Value = KvCapacity;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a block count, \"learned\" or null")
+            }
+            fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<KvCapacity, E> {
+                u32::try_from(v)
+                    .map(KvCapacity::Blocks)
+                    .map_err(|_| E::invalid_value(serde::de::Unexpected::Unsigned(v), &self))
+            }
+            fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<KvCapacity, E> {
+                u64::try_from(v)
+                    .map_err(|_| E::invalid_value(serde::de::Unexpected::Signed(v), &self))
+                    .and_then(|v| self.visit_u64(v))
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<KvCapacity, E> {
+                match v {
+                    "learned" => Ok(KvCapacity::Learned),
+                    _ => Err(E::invalid_value(serde::de::Unexpected::Str(v), &self)),
+                }
+            }
+        }
+        d.deserialize_any(Visitor)
+    }
+}
+
 /// How a tie between equally cheap workers with as many cache hits is broken.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -109,7 +150,7 @@ struct RawFilterConfig {
     idle_wait_slack_per_hit: Option<f64>,
     holder_tie_per_hit: Option<f64>,
     holder_tie_load_slack: Option<f64>,
-    kv_capacity_blocks: Option<u32>,
+    kv_capacity_blocks: Option<KvCapacity>,
     tie_break: TieBreak,
 }
 
@@ -142,7 +183,7 @@ impl Default for RawFilterConfig {
             idle_wait_slack_per_hit: Some(DEFAULT_IDLE_WAIT_SLACK_PER_HIT),
             holder_tie_per_hit: Some(DEFAULT_HOLDER_TIE_PER_HIT),
             holder_tie_load_slack: None,
-            kv_capacity_blocks: None,
+            kv_capacity_blocks: Some(KvCapacity::Learned),
             tie_break: TieBreak::LeastCached,
         }
     }
@@ -205,9 +246,9 @@ pub struct FilterConfig {
     /// its cost. `None` (the default): the cost test alone. No effect without
     /// `holder_tie_per_hit`.
     pub holder_tie_load_slack: Option<f64>,
-    /// The memory limit ([`crate::score`]): the KV blocks each engine can hold. `None`
-    /// (the default): no limit.
-    pub kv_capacity_blocks: Option<u32>,
+    /// The memory limit ([`crate::score`]): the KV blocks each engine can hold, learned by
+    /// default.
+    pub kv_capacity_blocks: KvCapacity,
     pub tie_break: TieBreak,
 }
 
@@ -269,7 +310,7 @@ impl FilterConfig {
         let holder_tie_per_hit = raw.holder_tie_per_hit.map(|v| weight("holder_tie_per_hit", v)).transpose()?;
         let holder_tie_load_slack =
             raw.holder_tie_load_slack.map(|v| weight("holder_tie_load_slack", v)).transpose()?;
-        if raw.kv_capacity_blocks == Some(0) {
+        if raw.kv_capacity_blocks == Some(KvCapacity::Blocks(0)) {
             return Err(bad("kv_capacity_blocks", "must be at least 1"));
         }
         let overlap_weight = weight("overlap_weight", raw.overlap_weight)?;
@@ -335,7 +376,7 @@ impl FilterConfig {
             idle_wait_slack_per_hit,
             holder_tie_per_hit,
             holder_tie_load_slack,
-            kv_capacity_blocks: raw.kv_capacity_blocks,
+            kv_capacity_blocks: raw.kv_capacity_blocks.unwrap_or(KvCapacity::Off),
             tie_break: raw.tie_break,
         })
     }
@@ -473,9 +514,13 @@ mod tests {
         assert_eq!(c.holder_tie_load_slack, None);
         let load_test = FilterConfig::from_json(br#"{"holder_tie_load_slack": 1}"#).unwrap();
         assert_eq!(load_test.holder_tie_load_slack, Some(1.0));
-        assert_eq!(c.kv_capacity_blocks, None);
+        assert_eq!(c.kv_capacity_blocks, KvCapacity::Learned);
         let limited = FilterConfig::from_json(br#"{"kv_capacity_blocks": 512}"#).unwrap();
-        assert_eq!(limited.kv_capacity_blocks, Some(512));
+        assert_eq!(limited.kv_capacity_blocks, KvCapacity::Blocks(512));
+        let learned = FilterConfig::from_json(br#"{"kv_capacity_blocks": "learned"}"#).unwrap();
+        assert_eq!(learned.kv_capacity_blocks, KvCapacity::Learned);
+        let off = FilterConfig::from_json(br#"{"kv_capacity_blocks": null}"#).unwrap();
+        assert_eq!(off.kv_capacity_blocks, KvCapacity::Off);
         assert_eq!(c.destination_via, DestinationVia::Header);
         let native = FilterConfig::from_json(br#"{"destination_via": "upstream_override"}"#).unwrap();
         assert_eq!(native.destination_via, DestinationVia::UpstreamOverride);
@@ -520,6 +565,9 @@ mod tests {
             (r#"{"kv_capacity_blocks": 0}"#, "kv_capacity_blocks"),
             (r#"{"kv_capacity_blocks": -1}"#, "invalid value"),
             (r#"{"kv_capacity_blocks": 0.5}"#, "invalid type"),
+            (r#"{"kv_capacity_blocks": 4294967296}"#, "invalid value"),
+            (r#"{"kv_capacity_blocks": "auto"}"#, "invalid value"),
+            (r#"{"kv_capacity_blocks": true}"#, "invalid type"),
             (r#"{"active_blocks": "current"}"#, "unknown variant"),
             (r#"{"destination_via": "cookie"}"#, "unknown variant"),
             (r#"[1]"#, "invalid"),

@@ -129,6 +129,8 @@ impl SyncIndex {
                 id: s.id.clone(),
                 role: s.role,
                 state: if s.state == SlotState::Gone { SlotState::Gone } else { SlotState::Down },
+                // The same engines: what they evicted at before this VM still holds.
+                kv_capacity_blocks: s.kv_capacity_blocks,
             })
             .collect();
         self.cached = vec![0; self.slots.len()];
@@ -243,11 +245,19 @@ impl SyncIndex {
                     stats.stored += self.stage(blocks, slot, Hold::Offloaded)
                 }
                 Op::Store { blocks, .. } => stats.stored += self.store_many(blocks, slot, Hold::Gpu),
-                Op::StoreOffloaded { blocks, .. } => stats.stored += self.store_many(blocks, slot, Hold::Offloaded),
+                // Moving blocks to an offload tier and removing them both take them out of
+                // GPU memory: evictions, which say how much the engine holds at most.
+                Op::StoreOffloaded { blocks, .. } => {
+                    let held = self.gpu_blocks(slot);
+                    stats.stored += self.store_many(blocks, slot, Hold::Offloaded);
+                    self.learn_capacity(slot, held);
+                }
                 Op::Remove { blocks, .. } => {
+                    let held = self.gpu_blocks(slot);
                     for b in blocks {
                         stats.removed += u64::from(self.set_hold(b.hash, b.anchor, slot, Hold::None));
                     }
+                    self.learn_capacity(slot, held);
                 }
                 Op::Clear { .. } => {
                     self.clear_slot(slot);
@@ -287,7 +297,12 @@ impl SyncIndex {
             let slot = match self.slots.iter().position(|s| s.id == w.id) {
                 Some(s) => s,
                 None if self.slots.len() < MAX_SLOTS => {
-                    self.slots.push(WorkerSlot { id: w.id.clone(), role: w.role, state: SlotState::Down });
+                    self.slots.push(WorkerSlot {
+                        id: w.id.clone(),
+                        role: w.role,
+                        state: SlotState::Down,
+                        kv_capacity_blocks: 0,
+                    });
                     self.cached.push(0);
                     present.push(false);
                     self.table_dirty = true;
@@ -501,7 +516,31 @@ impl SyncIndex {
         }
     }
 
+    fn gpu_blocks(&self, slot: usize) -> u32 {
+        self.cached.get(slot).copied().unwrap_or(0)
+    }
+
+    /// After an op that may have taken blocks out of `slot`'s GPU memory, which held `held`
+    /// before it: if it did, the engine evicted at `held` blocks, and holds at least that
+    /// many at most. The largest such count is its learned capacity. Events come in the
+    /// engine's order, so `held` is what the engine held then: never above its capacity
+    /// (blocks a request reserved but has not filled yet are not in it, which makes the
+    /// figure the room for cached prompts, what the memory limit compares with).
+    fn learn_capacity(&mut self, slot: usize, held: u32) {
+        let evicted = self.gpu_blocks(slot) < held;
+        if let Some(s) = self.slots.get_mut(slot).filter(|s| evicted && held > s.kv_capacity_blocks) {
+            s.kv_capacity_blocks = held;
+            self.table_dirty = true;
+        }
+    }
+
     fn clear_slot(&mut self, slot: usize) {
+        // An engine that restarted (or reset its cache) is learned anew: its memory may
+        // have changed with it.
+        if let Some(s) = self.slots.get_mut(slot).filter(|s| s.kv_capacity_blocks != 0) {
+            s.kv_capacity_blocks = 0;
+            self.table_dirty = true;
+        }
         let (mw, stride) = (self.mask_words, self.stride());
         if slot / 64 >= mw {
             return;
@@ -1283,13 +1322,74 @@ mod tests {
             epoch: 1,
             version: 1,
             slots: vec![
-                WorkerSlot { id: "x:1".into(), role: Role::Both, state: SlotState::Up },
-                WorkerSlot { id: "y:1".into(), role: Role::Both, state: SlotState::Up },
+                WorkerSlot { id: "x:1".into(), role: Role::Both, state: SlotState::Up, kv_capacity_blocks: 300 },
+                WorkerSlot { id: "y:1".into(), role: Role::Both, state: SlotState::Up, kv_capacity_blocks: 512 },
             ],
         });
         ix.apply(&frame(FrameKind::SnapshotStart, 0, 1, vec![worker("y:1")], vec![])).unwrap();
         let t = ix.table();
         assert_eq!(t.slots[1].state, SlotState::Up);
         assert_eq!(t.slots[0].state, SlotState::Gone);
+        // The same engine keeps what it was learned to hold; one that left is forgotten.
+        assert_eq!((t.slots[0].kv_capacity_blocks, t.slots[1].kv_capacity_blocks), (0, 512));
+    }
+
+    #[test]
+    fn capacity_is_the_most_blocks_held_before_an_eviction() {
+        let ws = vec![worker("a:1"), worker("b:1")];
+        let blocks: Vec<FeedBlock> = (1..=40u64).map(blk).collect();
+        let mut ix = SyncIndex::new(16);
+        ix.apply(&frame(
+            FrameKind::SnapshotStart,
+            0,
+            1,
+            ws.clone(),
+            vec![Op::Store { worker: 0, blocks: blocks[..10].to_vec() }],
+        ))
+        .unwrap();
+        let capacities = |ix: &mut SyncIndex| -> Option<Vec<u32>> {
+            ix.take_table().map(|t| t.slots.iter().map(|s| s.kv_capacity_blocks).collect())
+        };
+        capacities(&mut ix);
+        let delta = |ix: &mut SyncIndex, ops: Vec<Op>| {
+            let v = ix.version();
+            ix.apply(&frame(FrameKind::Delta, v, v + 1, ws.clone(), ops)).unwrap();
+        };
+        // Stores alone say nothing of memory.
+        delta(&mut ix, vec![Op::Store { worker: 0, blocks: blocks[10..15].to_vec() }]);
+        assert_eq!(capacities(&mut ix), None);
+        // The engine evicts three to store three: it held 15 when it had to.
+        delta(
+            &mut ix,
+            vec![
+                Op::Remove { worker: 0, blocks: blocks[..3].to_vec() },
+                Op::Store { worker: 0, blocks: blocks[15..18].to_vec() },
+            ],
+        );
+        assert_eq!(capacities(&mut ix), Some(vec![15, 0]));
+        // Evicting at fewer, or removing what the index never had, changes nothing.
+        delta(&mut ix, vec![Op::Remove { worker: 0, blocks: blocks[3..5].to_vec() }]);
+        delta(
+            &mut ix,
+            vec![Op::Remove { worker: 0, blocks: vec![blk(99)] }, Op::Remove { worker: 1, blocks: vec![blk(7)] }],
+        );
+        assert_eq!(capacities(&mut ix), None);
+        assert_eq!(ix.cached_blocks(), &[13, 0]);
+        // Moving blocks to an offload tier takes them out of GPU memory too: 17 held then.
+        delta(&mut ix, vec![Op::Store { worker: 0, blocks: blocks[18..22].to_vec() }]);
+        delta(&mut ix, vec![Op::StoreOffloaded { worker: 0, blocks: blocks[5..7].to_vec() }]);
+        assert_eq!(capacities(&mut ix), Some(vec![17, 0]));
+        // A snapshot (the sidecar restarted) keeps it: the engines did not change.
+        ix.apply(&frame(FrameKind::SnapshotStart, 0, 1, ws.clone(), vec![])).unwrap();
+        assert_eq!(ix.table().slots[0].kv_capacity_blocks, 17);
+        // An engine that restarted is learned anew.
+        delta(&mut ix, vec![Op::Store { worker: 0, blocks: blocks[..4].to_vec() }, Op::Clear { worker: 0 }]);
+        assert_eq!(capacities(&mut ix), Some(vec![0, 0]));
+        delta(&mut ix, vec![Op::Store { worker: 0, blocks: blocks[..4].to_vec() }]);
+        delta(&mut ix, vec![Op::Remove { worker: 0, blocks: blocks[..1].to_vec() }]);
+        assert_eq!(capacities(&mut ix), Some(vec![4, 0]));
+        // And the table carries it to the filters.
+        let t = ix.table();
+        assert_eq!(WorkerTable::decode(&t.encode()).unwrap().slots[0].kv_capacity_blocks, 4);
     }
 }

@@ -128,6 +128,10 @@ pub struct WorkerSlot {
     pub id: String,
     pub role: Role,
     pub state: SlotState,
+    /// The KV blocks its engine holds at most, as learned from the events: the most blocks
+    /// the index saw it hold just before it evicted one (GPU memory). 0: not learned yet
+    /// (the engine has not evicted since it started or the sync service did).
+    pub kv_capacity_blocks: u32,
 }
 
 /// The worker table and the feed's state, written by the sync service.
@@ -145,11 +149,11 @@ pub struct WorkerTable {
     pub slots: Vec<WorkerSlot>,
 }
 
-const TABLE_FORMAT: u16 = 1;
+const TABLE_FORMAT: u16 = 2;
 
 impl WorkerTable {
     pub fn encode(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(32 + self.slots.len() * 24);
+        let mut out = Vec::with_capacity(32 + self.slots.len() * 28);
         out.extend_from_slice(&TABLE_FORMAT.to_le_bytes());
         out.push(u8::from(self.index_live));
         out.push(0);
@@ -161,6 +165,7 @@ impl WorkerTable {
         for s in &self.slots {
             out.push(s.state as u8);
             out.push(s.role as u8);
+            out.extend_from_slice(&s.kv_capacity_blocks.to_le_bytes());
             let id = &s.id.as_bytes()[..s.id.len().min(255)];
             out.push(id.len() as u8);
             out.extend_from_slice(id);
@@ -170,7 +175,10 @@ impl WorkerTable {
 
     pub fn decode(bytes: &[u8]) -> Result<WorkerTable, LayoutError> {
         let mut r = Reader::new(bytes);
-        if r.u16("table format")? != TABLE_FORMAT {
+        // Format 1 (no capacities) is what a VM of an earlier build left: read, so that a
+        // new sync service keeps its slot assignment.
+        let format = r.u16("table format")?;
+        if format != TABLE_FORMAT && format != 1 {
             return Err(LayoutError("unknown table format"));
         }
         let index_live = r.u8("table flags")? & 1 == 1;
@@ -186,16 +194,17 @@ impl WorkerTable {
         if n > MAX_SLOTS {
             return Err(LayoutError("too many slots"));
         }
-        let mut slots = Vec::with_capacity(crate::wire::capacity_for::<WorkerSlot>(n, r.remaining(), 3));
+        let mut slots = Vec::with_capacity(crate::wire::capacity_for::<WorkerSlot>(n, r.remaining(), 7));
         for _ in 0..n {
             let state = SlotState::from_u8(r.u8("slot state")?).ok_or(LayoutError("slot state"))?;
             let role = Role::from_u8(r.u8("slot role")?).ok_or(LayoutError("slot role"))?;
+            let kv_capacity_blocks = if format == 1 { 0 } else { r.u32("slot capacity")? };
             let len = usize::from(r.u8("id length")?);
             let id = std::str::from_utf8(r.take(len, "id")?).map_err(|_| LayoutError("id utf-8"))?;
             if id.is_empty() {
                 return Err(LayoutError("empty worker id"));
             }
-            slots.push(WorkerSlot { id: id.to_string(), role, state });
+            slots.push(WorkerSlot { id: id.to_string(), role, state, kv_capacity_blocks });
         }
         // The sync service gives a worker one slot for the process's life (a returning
         // worker gets its old one back); a table naming one twice was not written by it,
@@ -701,8 +710,18 @@ mod tests {
             epoch: 7,
             version: 42,
             slots: vec![
-                WorkerSlot { id: "10.0.0.1:8000".into(), role: Role::Both, state: SlotState::Up },
-                WorkerSlot { id: "[::1]:9".into(), role: Role::Decode, state: SlotState::Down },
+                WorkerSlot {
+                    id: "10.0.0.1:8000".into(),
+                    role: Role::Both,
+                    state: SlotState::Up,
+                    kv_capacity_blocks: 0,
+                },
+                WorkerSlot {
+                    id: "[::1]:9".into(),
+                    role: Role::Decode,
+                    state: SlotState::Down,
+                    kv_capacity_blocks: 7_000_000,
+                },
             ],
         };
         let bytes = t.encode();
@@ -713,6 +732,18 @@ mod tests {
         let mut bad = bytes.clone();
         bad[0] = 9;
         assert!(WorkerTable::decode(&bad).is_err());
+        // An earlier build's table (format 1: no capacities) keeps its slots.
+        let mut v1 = vec![1, 0];
+        v1.extend_from_slice(&bytes[2..30]);
+        for s in &t.slots {
+            v1.extend_from_slice(&[s.state as u8, s.role as u8, s.id.len() as u8]);
+            v1.extend_from_slice(s.id.as_bytes());
+        }
+        let old = WorkerTable::decode(&v1).unwrap();
+        assert_eq!(
+            old.slots.iter().map(|s| (&s.id, s.kv_capacity_blocks)).collect::<Vec<_>>(),
+            [(&t.slots[0].id, 0), (&t.slots[1].id, 0)]
+        );
         // A worker named twice, or by nothing, is no table the sync service writes.
         for ids in [["10.0.0.1:8000", "10.0.0.1:8000"], ["10.0.0.1:8000", ""]] {
             let mut t2 = t.clone();

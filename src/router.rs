@@ -5,12 +5,12 @@
 //! decoding, hashing, the bucket scan, scoring, in-flight accounting — happens here, with
 //! time and the tie-break seed passed in.
 
-use crate::config::{ActiveBlocks, FilterConfig, Mode, TieBreak};
+use crate::config::{ActiveBlocks, FilterConfig, KvCapacity, Mode, TieBreak};
 use crate::hash::{block_hashes_le, segments};
 use crate::inflight::{self, ActiveDelta, Change};
 use crate::layout::{
     begin_bucket, bucket_key, bucket_of, finish_bucket, prefill_epoch, Bucket, CachedBlocks, LoadVector, PrefillChange,
-    SlotState, WorkerTable, CACHED_KEY, LOAD_KEY, TABLE_KEY,
+    SlotState, WorkerSlot, WorkerTable, CACHED_KEY, LOAD_KEY, TABLE_KEY,
 };
 use crate::role::Role;
 use crate::scan::{scan_segment, Scan};
@@ -201,6 +201,8 @@ struct Request<'a> {
     index_live: bool,
     /// [`worker_key`] of each slot.
     keys: &'a [u64],
+    /// The table's slots: their learned capacities.
+    slots: &'a [WorkerSlot],
     scan: &'a Scan,
     load: &'a LoadVector,
     blocks: u32,
@@ -284,6 +286,7 @@ impl Router {
             store,
             index_live: table.index_live,
             keys: &decoded.keys,
+            slots: &table.slots,
             scan: &scan,
             load: &load,
             blocks: d.request_blocks,
@@ -444,6 +447,11 @@ impl Router {
                 own_prefill: own,
                 cached_blocks: self.cached.as_ref().map_or(0, |c| c.get(slot)),
                 memory_blocks: with_request,
+                kv_capacity_blocks: match self.cfg.kv_capacity_blocks {
+                    KvCapacity::Off => None,
+                    KvCapacity::Learned => r.slots.get(slot).map(|s| s.kv_capacity_blocks).filter(|&c| c > 0),
+                    KvCapacity::Blocks(n) => Some(n),
+                },
                 worker_key: r.keys.get(slot).copied().unwrap_or(0),
             });
         }
@@ -457,8 +465,6 @@ impl Router {
             idle_wait_slack_per_hit: self.cfg.idle_wait_slack_per_hit.filter(|_| prefills),
             holder_tie_per_hit: self.cfg.holder_tie_per_hit.filter(|_| prefills),
             holder_tie_load_slack: self.cfg.holder_tie_load_slack.filter(|_| prefills),
-            // Every choice: prefill and decode workers alike hold the request's blocks.
-            kv_capacity_blocks: self.cfg.kv_capacity_blocks,
         };
         let mut outcome = rank(&self.candidates, weights, request_blocks, r.key, &mut self.scored);
         // Only a new prefix is placed by the counts. One that a busy worker holds spills by

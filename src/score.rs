@@ -29,10 +29,11 @@
 //! it makes costs no one queueing; with every worker busy, a copy's prefill lands in
 //! another worker's queue and the holder is kept longer.
 //!
-//! The memory limit (`kv_capacity_blocks`, off by default): a worker whose in-flight
-//! requests would hold more distinct blocks than its engine's KV cache, with this
-//! request's new blocks added (`memory_blocks`), is passed over while another has room, as
-//! the wait limit passes over one. The engine cannot run them all at once: the request
+//! The memory limit (`kv_capacity_blocks`; by default each engine's capacity as learned
+//! from its evictions): a worker whose in-flight requests would hold more distinct blocks
+//! than its engine's KV cache, with this request's new blocks added (`memory_blocks`), is
+//! passed over while another has room, as the wait limit passes over one. An engine whose
+//! capacity is not known has room. The engine cannot run them all at once: the request
 //! waits for memory there, and while it waits the engine evicts the cached prefix it was
 //! sent for. The cost does not see it: it weighs blocks in flight against blocks to
 //! prefill, never against what an engine holds, and a shared system prompt makes one more
@@ -91,6 +92,9 @@ pub struct Candidate {
     /// The distinct blocks the worker's in-flight requests would hold with this request
     /// added, for the memory limit.
     pub memory_blocks: u32,
+    /// The memory limit (module docs): the KV blocks the worker's engine holds; `None`: no
+    /// limit on it.
+    pub kv_capacity_blocks: Option<u32>,
     /// Stable hash of the worker's id, for tie-breaking (see [`worker_key`]).
     pub worker_key: u64,
 }
@@ -132,8 +136,6 @@ pub struct Weights {
     /// k of the holder tie (module docs), in the request's blocks; `None`: the cost test
     /// alone.
     pub holder_tie_load_slack: Option<f64>,
-    /// The memory limit (module docs): the KV blocks a worker can hold; `None`: no limit.
-    pub kv_capacity_blocks: Option<u32>,
 }
 
 /// The specification's cost function.
@@ -213,8 +215,9 @@ pub fn rank(
         _ => a,
     });
     // The memory limit applies while some worker has room for the request.
-    let room = weights.kv_capacity_blocks.filter(|&cap| out.iter().any(|s| s.candidate.memory_blocks <= cap));
-    let overfills = |s: &Scored| room.is_some_and(|cap| s.candidate.memory_blocks > cap);
+    let fits = |s: &Scored| s.candidate.kv_capacity_blocks.is_none_or(|cap| s.candidate.memory_blocks <= cap);
+    let room = out.iter().any(fits);
+    let overfills = |s: &Scored| room && !fits(s);
     let admissible = |s: &Scored| {
         let c = &s.candidate;
         !overfills(s)
@@ -276,6 +279,7 @@ mod tests {
             own_prefill: 0,
             cached_blocks: 0,
             memory_blocks: 0,
+            kv_capacity_blocks: None,
             worker_key: worker_key(&slot.to_string()),
         }
     }
@@ -289,7 +293,6 @@ mod tests {
             idle_wait_slack_per_hit: None,
             holder_tie_per_hit: None,
             holder_tie_load_slack: None,
-            kv_capacity_blocks: None,
         }
     }
 
@@ -391,7 +394,6 @@ mod tests {
             idle_wait_slack_per_hit: None,
             holder_tie_per_hit: None,
             holder_tie_load_slack: None,
-            kv_capacity_blocks: None,
         };
         rank(&[w0, w1], weights, 10, 0, &mut out);
         assert_eq!((out[0].candidate.slot, out[0].cost, out[1].cost), (1, 4.0, 24.0));
@@ -407,26 +409,30 @@ mod tests {
     fn the_memory_limit_passes_over_an_engine_the_request_would_overfill() {
         let holder = Candidate { memory_blocks: 578, ..cand(0, 234, 578) };
         let idle = Candidate { memory_blocks: 252, ..cand(1, 128, 252) };
+        let capped = |c: Candidate, cap: u32| Candidate { kv_capacity_blocks: Some(cap), ..c };
         let mut out = Vec::new();
         // The cost alone: 18 + 578 against 124 + 252, the idle engine wins anyway at
         // weight 1; at weight 4 the holder (72 + 578 against 496 + 252).
         assert_eq!(rank(&[idle, holder], w(4.0, 0.5), 252, 0, &mut out), RankOutcome::default());
         assert_eq!(out[0].candidate.slot, 0);
-        let limited = Weights { kv_capacity_blocks: Some(512), ..w(4.0, 0.5) };
+        let limited = [capped(idle, 512), capped(holder, 512)];
         assert_eq!(
-            rank(&[idle, holder], limited, 252, 0, &mut out),
+            rank(&limited, w(4.0, 0.5), 252, 0, &mut out),
             RankOutcome { memory_limited: true, ..RankOutcome::default() }
         );
         assert_eq!((out[0].candidate.slot, out[1].candidate.slot), (1, 0));
         // Room to spare: the limit does not move it.
-        assert!(
-            !rank(&[idle, holder], Weights { kv_capacity_blocks: Some(578), ..limited }, 252, 0, &mut out)
-                .memory_limited
-        );
+        assert!(!rank(&[capped(idle, 578), capped(holder, 578)], w(4.0, 0.5), 252, 0, &mut out).memory_limited);
         assert_eq!(out[0].candidate.slot, 0);
         // No engine has room: the cost decides, as without a limit.
         let full = Candidate { memory_blocks: 600, ..idle };
-        assert!(!rank(&[full, holder], limited, 252, 0, &mut out).memory_limited);
+        assert!(!rank(&[capped(full, 512), capped(holder, 512)], w(4.0, 0.5), 252, 0, &mut out).memory_limited);
+        assert_eq!(out[0].candidate.slot, 0);
+        // Capacities are per engine: an engine not yet learned has room, whatever it carries.
+        assert!(rank(&[full, capped(holder, 512)], w(4.0, 0.5), 252, 0, &mut out).memory_limited);
+        assert_eq!(out[0].candidate.slot, 1);
+        // A larger engine holds what a smaller one cannot.
+        assert!(!rank(&[capped(idle, 512), capped(holder, 1024)], w(4.0, 0.5), 252, 0, &mut out).memory_limited);
         assert_eq!(out[0].candidate.slot, 0);
     }
 
@@ -445,7 +451,6 @@ mod tests {
             idle_wait_slack_per_hit: None,
             holder_tie_per_hit: None,
             holder_tie_load_slack: None,
-            kv_capacity_blocks: None,
         };
         // The cost alone: 64 + 400 against 192 + 500, the holder.
         assert!(!rank(&[cold, holder], off, 192, 0, &mut out).spilled);
@@ -483,7 +488,6 @@ mod tests {
             idle_wait_slack_per_hit: Some(DEFAULT_IDLE_WAIT_SLACK_PER_HIT),
             holder_tie_per_hit: Some(DEFAULT_HOLDER_TIE_PER_HIT),
             holder_tie_load_slack: None,
-            kv_capacity_blocks: None,
         }
     }
 
@@ -641,7 +645,6 @@ mod tests {
             idle_wait_slack_per_hit: None,
             holder_tie_per_hit: None,
             holder_tie_load_slack: None,
-            kv_capacity_blocks: None,
         };
         assert!(rank(&all, weights, 10, 0, &mut out).spilled);
         let order: Vec<usize> = out.iter().map(|s| s.candidate.slot).collect();
@@ -665,7 +668,6 @@ mod tests {
             idle_wait_slack_per_hit: None,
             holder_tie_per_hit: None,
             holder_tie_load_slack: None,
-            kv_capacity_blocks: None,
         };
         assert!(!rank(&[holder, cold], weights, 144, 0, &mut out).spilled);
         assert_eq!(out[0].candidate.slot, 1);

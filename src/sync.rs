@@ -26,6 +26,12 @@ pub const ACTIVE_BLOCKS_GAUGE: &str = "kvroute.active_blocks";
 pub const PREFILL_BLOCKS_GAUGE: &str = "kvroute.prefill_blocks";
 /// The per-worker gauge of blocks the index says each worker holds in GPU memory.
 pub const CACHED_BLOCKS_GAUGE: &str = "kvroute.cached_blocks";
+/// The per-worker gauge of the KV blocks each engine holds at most, as learned from its
+/// evictions (0: not learned yet); the memory limit's capacity at its default.
+pub const KV_CAPACITY_GAUGE: &str = "kvroute.kv_capacity_blocks";
+/// Every per-worker gauge (a host that declares its stats up front declares these).
+pub const WORKER_GAUGES: [&str; 4] =
+    [ACTIVE_BLOCKS_GAUGE, PREFILL_BLOCKS_GAUGE, CACHED_BLOCKS_GAUGE, KV_CAPACITY_GAUGE];
 
 /// A poll's answer may take this long beyond the long poll's own timeout.
 const POLL_GRACE_MS: u64 = 5_000;
@@ -64,14 +70,23 @@ impl Metrics {
     }
 }
 
+/// A worker's gauges: `kvroute.active_blocks.<worker>`, `kvroute.prefill_blocks.<worker>`,
+/// `kvroute.cached_blocks.<worker>` and `kvroute.kv_capacity_blocks.<worker>`.
+#[derive(Clone, Copy)]
+struct WorkerGauges {
+    active: Gauge,
+    prefill: Gauge,
+    cached: Gauge,
+    capacity: Gauge,
+}
+
 pub struct SyncService<H: Host + FeedClient> {
     host: H,
     cfg: SyncConfig,
     index: SyncIndex,
     metrics: Metrics,
-    /// `kvroute.active_blocks.<worker>`, `kvroute.prefill_blocks.<worker>` and
-    /// `kvroute.cached_blocks.<worker>`, by slot.
-    load_gauges: Vec<(Gauge, Gauge, Gauge)>,
+    /// By slot.
+    worker_gauges: Vec<WorkerGauges>,
     /// The token of the poll in flight, and when to stop waiting for its answer.
     in_flight: Option<(u64, u64)>,
     next_poll_ms: u64,
@@ -113,7 +128,7 @@ impl<H: Host + FeedClient> SyncService<H> {
             host,
             cfg,
             index,
-            load_gauges: Vec::new(),
+            worker_gauges: Vec::new(),
             in_flight: None,
             next_poll_ms: 0,
             consecutive_failures: 0,
@@ -160,7 +175,7 @@ impl<H: Host + FeedClient> SyncService<H> {
         self.publish_load();
     }
 
-    /// Mirrors the load vector and the index's cached-block counts into per-worker gauges,
+    /// Mirrors the load vector and the index's per-worker counts into per-worker gauges,
     /// for operators and tests.
     fn publish_load(&mut self) {
         // No value yet (no request routed): every worker's load is 0.
@@ -171,15 +186,20 @@ impl<H: Host + FeedClient> SyncService<H> {
         let epoch = prefill_epoch(self.host.now_ms());
         let table = self.index.table();
         for (slot, w) in table.slots.iter().enumerate() {
-            if slot == self.load_gauges.len() {
+            if slot == self.worker_gauges.len() {
                 let gauge = |name: &str| Gauge::define_for_worker(&self.host, name, &w.id);
-                let gauges = (gauge(ACTIVE_BLOCKS_GAUGE), gauge(PREFILL_BLOCKS_GAUGE), gauge(CACHED_BLOCKS_GAUGE));
-                self.load_gauges.push(gauges);
+                self.worker_gauges.push(WorkerGauges {
+                    active: gauge(ACTIVE_BLOCKS_GAUGE),
+                    prefill: gauge(PREFILL_BLOCKS_GAUGE),
+                    cached: gauge(CACHED_BLOCKS_GAUGE),
+                    capacity: gauge(KV_CAPACITY_GAUGE),
+                });
             }
-            let (active, prefill, cached) = self.load_gauges[slot];
-            active.set(&self.host, u64::from(load.get(slot)));
-            prefill.set(&self.host, u64::from(load.pending_prefill(slot, epoch)));
-            cached.set(&self.host, u64::from(self.index.cached_blocks().get(slot).copied().unwrap_or(0)));
+            let g = self.worker_gauges[slot];
+            g.active.set(&self.host, u64::from(load.get(slot)));
+            g.prefill.set(&self.host, u64::from(load.pending_prefill(slot, epoch)));
+            g.cached.set(&self.host, u64::from(self.index.cached_blocks().get(slot).copied().unwrap_or(0)));
+            g.capacity.set(&self.host, u64::from(w.kv_capacity_blocks));
         }
     }
 

@@ -7,7 +7,7 @@
 //! - a filter configuration that loads routes a request on an empty store (no table: the
 //!   documented fallback) without panicking.
 
-use kvroute::config::{FilterConfig, SyncConfig};
+use kvroute::config::{FilterConfig, KvCapacity, SyncConfig};
 use kvroute::router::{Fallback, Router, TokenSource};
 use kvroute::store::MemStore;
 
@@ -27,7 +27,7 @@ pub fn check(data: &[u8]) {
             assert!(w.is_finite() && (0.0..=1e6).contains(&w), "weight {w}");
         }
         assert!((0.0..=1.0).contains(&c.offload_hit_credit));
-        assert!(c.kv_capacity_blocks != Some(0), "{c:?}");
+        assert!(c.kv_capacity_blocks != KvCapacity::Blocks(0), "{c:?}");
         let headers: Vec<&str> = [&c.token_header, &c.token_header_b64, &c.destination_header, &c.prefiller_header]
             .into_iter()
             .map(String::as_str)

@@ -18,7 +18,7 @@ use crate::buffers::{array, bytes, header_value, lend, lend_header};
 use crate::{clock, envoy_log, shared};
 use kvroute::host::{Clock, FeedClient, Gauge, Host, PollRequest, StatId, StatKind, Stats};
 use kvroute::store::ProcessStore;
-use kvroute::sync::{SyncService, ACTIVE_BLOCKS_GAUGE, CACHED_BLOCKS_GAUGE, PREFILL_BLOCKS_GAUGE, TICK};
+use kvroute::sync::{SyncService, TICK, WORKER_GAUGES};
 use std::cell::RefCell;
 use std::ffi::c_void;
 use std::sync::atomic::Ordering;
@@ -195,7 +195,7 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_bootstrap_extension_config_new(
         }
         let mut host =
             SyncHost { envoy, store: shared::store(&name), stats: RefCell::default(), worker_gauges: vec![] };
-        for gauge in [ACTIVE_BLOCKS_GAUGE, PREFILL_BLOCKS_GAUGE, CACHED_BLOCKS_GAUGE] {
+        for gauge in WORKER_GAUGES {
             if let Some(id) = host.define(StatKind::Gauge, gauge, &[WORKER_LABEL]) {
                 host.worker_gauges.push((gauge, id));
             }

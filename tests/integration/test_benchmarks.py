@@ -175,10 +175,11 @@ def test_peers_run_on_dynamos_mocker(tmp_path):
 
 def test_session_steps_reads_the_committed_agentic_runs(tmp_path):
     """benches/session_steps.py on the samples docs/peers-mocker-agentic keeps: the per-step
-    table and engine counts its README quotes, and a clear error for samples without their
-    run's results.json entry."""
+    table and engine counts its README quotes (from the samples, or for a line whose samples
+    name no engine from the engines' own gauges peers.py read), and a clear error for
+    samples without their run's results.json entry."""
     runs = ROOT / "docs" / "peers-mocker-agentic"
-    samples = sorted(str(p) for p in runs.glob("*/samples/*.json"))
+    samples = sorted(str(p) for d in ("a", "b") for p in (runs / d).glob("samples/*.json"))
     r = subprocess.run([sys.executable, str(ROOT / "benches" / "session_steps.py"), *samples, "--every-s", "20"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
@@ -188,6 +189,21 @@ def test_session_steps_reads_the_committed_agentic_runs(tmp_path):
     assert "t=   40 s    7   0   6   0   6   0   6   7" in r.stdout
     assert "counted a hit rate of 0.87, the engines found 0.71; 111 of 256" in r.stdout
     assert "dynamo_kv: the samples do not name engines" in r.stdout
+
+    placement = sorted(str(p) for p in (runs / "placement").glob("samples/*.json"))
+    r = subprocess.run([sys.executable, str(ROOT / "benches" / "session_steps.py"), *placement, "--every-s", "10"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    rows = {line.split(" | ")[0].strip("| "): line for line in r.stdout.splitlines() if line.startswith("| ")}
+    assert rows["vllm_router_cache_aware"].startswith("| vllm_router_cache_aware | 0.67, 59 | 0.89, 87 |")
+    assert "vllm_router_cache_aware: requests in flight per engine, from the engines' gauges" in r.stdout
+    assert "t=   30 s    4   4   4   4   4   4   4   4" in r.stdout
+    assert "t=   10 s    0   0   0  12   0   0   0   0" in r.stdout  # kvroute's, from its debug header
+    # One line from two runs: both reported, told apart by the run's folder.
+    both = [*placement, str(runs / "a" / "samples" / "agentic_70.kvroute_dbg.json")]
+    r = subprocess.run([sys.executable, str(ROOT / "benches" / "session_steps.py"), *both],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "| kvroute_dbg@a |" in r.stdout and "| kvroute_dbg |" in r.stdout, r.stdout
 
     stray = tmp_path / "samples" / "agentic_70.kvroute_dbg.json"
     stray.parent.mkdir()

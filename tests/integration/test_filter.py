@@ -270,12 +270,25 @@ def test_the_wait_limit_spills_a_burst_whose_queue_outweighs_its_prefix(setup):
     wait_for(lambda: s.envoy.stat("kvroute.spilled") == 1, what="kvroute.spilled == 1")
 
 
-def test_the_memory_limit_splits_a_burst_an_engine_cannot_hold(setup):
+@pytest.mark.parametrize("capacity", ["configured", "learned"])
+def test_the_memory_limit_splits_a_burst_an_engine_cannot_hold(setup, capacity):
     """The burst that stays whole on one worker above (a 64-block prefix, 2-block
     questions, weight 4), with engines of 74 blocks: a worker holding the prefix and k of
     the burst in flight would hold 64 + 2k + 2 with the next added, so five fit and the
-    sixth goes elsewhere (memory=1, counted); no worker ever carries more than five."""
-    s = setup(n_workers=4, filter_config={"overlap_weight": 4, "kv_capacity_blocks": 74})
+    sixth goes elsewhere (memory=1, counted); no worker ever carries more than five.
+    Configured, every engine holds 74; learned (the default), each engine evicted a block
+    of other prompts when it held 74, and the sync service took that for its capacity."""
+    fc = {"overlap_weight": 4}
+    if capacity == "configured":
+        fc["kv_capacity_blocks"] = 74
+    s = setup(n_workers=4, filter_config=fc)
+    if capacity == "learned":
+        for i, w in enumerate(s.workers):
+            held = s.state.store(w.id, tokens(50 + i, 74 * 16))
+            s.state.remove(w.id, held[-1:])
+        s.wait_synced()
+        want = {_stat_id(w): 74 for w in s.workers}
+        wait_for(lambda: s.envoy.worker_gauges("kvroute.kv_capacity_blocks") == want, what=f"capacities {want}")
     decided = burst(s, tokens(7, 64 * 16))
     workers = [d["worker"] for d in decided]
     assert len(set(workers[:5])) == 1 and workers[5] != workers[0], workers
