@@ -10,7 +10,7 @@ use crate::hash::{block_hashes_le, segments};
 use crate::inflight::{self, ActiveDelta, Change};
 use crate::layout::{
     begin_bucket, bucket_key, bucket_of, finish_bucket, prefill_epoch, Bucket, CachedBlocks, LoadVector, PrefillChange,
-    SlotState, WorkerSlot, WorkerTable, CACHED_KEY, LOAD_KEY, TABLE_KEY,
+    SlotState, WorkerTable, CACHED_KEY, LOAD_KEY, TABLE_KEY,
 };
 use crate::role::Role;
 use crate::scan::{scan_segment, Scan};
@@ -192,6 +192,8 @@ struct DecodedTable {
     table: WorkerTable,
     /// [`worker_key`] of each slot.
     keys: Vec<u64>,
+    /// The memory limit's capacity of each slot's engine (`None`: no limit on it).
+    capacities: Vec<Option<u32>>,
 }
 
 /// What ranking needs to know of the request being routed.
@@ -201,8 +203,8 @@ struct Request<'a> {
     index_live: bool,
     /// [`worker_key`] of each slot.
     keys: &'a [u64],
-    /// The table's slots: their learned capacities.
-    slots: &'a [WorkerSlot],
+    /// The memory limit's capacity of each slot's engine.
+    capacities: &'a [Option<u32>],
     scan: &'a Scan,
     load: &'a LoadVector,
     blocks: u32,
@@ -238,7 +240,16 @@ impl Router {
         match WorkerTable::decode(&bytes) {
             Ok(table) => {
                 let keys = table.slots.iter().map(|s| worker_key(&s.id)).collect();
-                let t = Rc::new(DecodedTable { bytes, table, keys });
+                let capacities = table
+                    .slots
+                    .iter()
+                    .map(|s| match self.cfg.kv_capacity_blocks {
+                        KvCapacity::Off => None,
+                        KvCapacity::Learned => Some(s.kv_capacity_blocks).filter(|&c| c > 0),
+                        KvCapacity::Blocks(n) => Some(n),
+                    })
+                    .collect();
+                let t = Rc::new(DecodedTable { bytes, table, keys, capacities });
                 self.table = Some(t.clone());
                 Some(t)
             }
@@ -286,7 +297,7 @@ impl Router {
             store,
             index_live: table.index_live,
             keys: &decoded.keys,
-            slots: &table.slots,
+            capacities: &decoded.capacities,
             scan: &scan,
             load: &load,
             blocks: d.request_blocks,
@@ -447,11 +458,7 @@ impl Router {
                 own_prefill: own,
                 cached_blocks: self.cached.as_ref().map_or(0, |c| c.get(slot)),
                 memory_blocks: with_request,
-                kv_capacity_blocks: match self.cfg.kv_capacity_blocks {
-                    KvCapacity::Off => None,
-                    KvCapacity::Learned => r.slots.get(slot).map(|s| s.kv_capacity_blocks).filter(|&c| c > 0),
-                    KvCapacity::Blocks(n) => Some(n),
-                },
+                kv_capacity_blocks: r.capacities.get(slot).copied().flatten(),
                 worker_key: r.keys.get(slot).copied().unwrap_or(0),
             });
         }
