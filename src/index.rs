@@ -244,7 +244,10 @@ impl SyncIndex {
                 Op::StoreOffloaded { blocks, .. } if snapshot => {
                     stats.stored += self.stage(blocks, slot, Hold::Offloaded)
                 }
-                Op::Store { blocks, .. } => stats.stored += self.store_many(blocks, slot, Hold::Gpu),
+                Op::Store { blocks, .. } => {
+                    stats.stored += self.store_many(blocks, slot, Hold::Gpu);
+                    self.raise_capacity(slot);
+                }
                 // Moving blocks to an offload tier and removing them both take them out of
                 // GPU memory: evictions, which say how much the engine holds at most.
                 Op::StoreOffloaded { blocks, .. } => {
@@ -534,6 +537,18 @@ impl SyncIndex {
         }
     }
 
+    /// An engine that has evicted and now holds more than its learned capacity can hold
+    /// that many: the figure was learned from an eviction at a low count (a removal that
+    /// was not for memory, a sliding window's, say) and rises to what the engine holds, so
+    /// the memory limit never passes over an engine for room it is seen to have.
+    fn raise_capacity(&mut self, slot: usize) {
+        let held = self.gpu_blocks(slot);
+        if let Some(s) = self.slots.get_mut(slot).filter(|s| s.kv_capacity_blocks != 0 && held > s.kv_capacity_blocks) {
+            s.kv_capacity_blocks = held;
+            self.table_dirty = true;
+        }
+    }
+
     fn clear_slot(&mut self, slot: usize) {
         // An engine that restarted (or reset its cache) is learned anew: its memory may
         // have changed with it.
@@ -668,6 +683,11 @@ impl SyncIndex {
         }
         self.table_dirty = false;
         Some(self.table())
+    }
+
+    /// The workers' slots as [`Self::table`] carries them, without a copy.
+    pub fn slots(&self) -> &[WorkerSlot] {
+        &self.slots
     }
 
     pub fn table(&self) -> WorkerTable {
@@ -1388,8 +1408,20 @@ mod tests {
         delta(&mut ix, vec![Op::Store { worker: 0, blocks: blocks[..4].to_vec() }]);
         delta(&mut ix, vec![Op::Remove { worker: 0, blocks: blocks[..1].to_vec() }]);
         assert_eq!(capacities(&mut ix), Some(vec![4, 0]));
+        // Holding more than that later (the eviction at 4 was not for memory) raises it;
+        // an engine that never evicted still has none.
+        delta(
+            &mut ix,
+            vec![
+                Op::Store { worker: 0, blocks: blocks[4..9].to_vec() },
+                Op::Store { worker: 1, blocks: blocks[..9].to_vec() },
+            ],
+        );
+        assert_eq!(capacities(&mut ix), Some(vec![8, 0]));
+        delta(&mut ix, vec![Op::Remove { worker: 0, blocks: blocks[4..6].to_vec() }]);
+        assert_eq!(capacities(&mut ix), None);
         // And the table carries it to the filters.
         let t = ix.table();
-        assert_eq!(WorkerTable::decode(&t.encode()).unwrap().slots[0].kv_capacity_blocks, 4);
+        assert_eq!(WorkerTable::decode(&t.encode()).unwrap().slots[0].kv_capacity_blocks, 8);
     }
 }

@@ -184,8 +184,7 @@ impl<H: Host + FeedClient> SyncService<H> {
             _ => LoadVector::default(),
         };
         let epoch = prefill_epoch(self.host.now_ms());
-        let table = self.index.table();
-        for (slot, w) in table.slots.iter().enumerate() {
+        for (slot, w) in self.index.slots().iter().enumerate() {
             if slot == self.worker_gauges.len() {
                 let gauge = |name: &str| Gauge::define_for_worker(&self.host, name, &w.id);
                 self.worker_gauges.push(WorkerGauges {
