@@ -540,7 +540,7 @@ impl SyncIndex {
     /// An engine that has evicted and now holds more than its learned capacity can hold
     /// that many: the figure was learned from an eviction at a low count (a removal that
     /// was not for memory, a sliding window's, say) and rises to what the engine holds, so
-    /// the memory limit never passes over an engine for room it is seen to have.
+    /// the memory limit does not keep passing over an engine for room it is seen to have.
     fn raise_capacity(&mut self, slot: usize) {
         let held = self.gpu_blocks(slot);
         if let Some(s) = self.slots.get_mut(slot).filter(|s| s.kv_capacity_blocks != 0 && held > s.kv_capacity_blocks) {
