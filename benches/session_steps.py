@@ -4,9 +4,10 @@ the per-request samples `peers.py --keep-samples` kept; for a line whose samples
 engine (the fleet's engines, or kvroute's `route` when its line sets `debug_header`), how
 many conversations each engine carried over time (on the mocker, for any router: from the
 engines' own in-flight gauges, which peers.py reads every second with --keep-samples),
-and how often the router's own count of a request's cache hits exceeded what the engine
-found (the blocks were evicted between the decision and the prefill, or the router's
-view was stale).
+how many conversations changed engine at each step, and how often the router's own
+count of a request's cache hits exceeded what the engine found, per step and in all (the
+blocks were evicted between the decision and the prefill, or the router's view was
+stale).
 
     python3 benches/peers.py --sim mocker --workloads agentic_70 --keep-samples --out DIR \\
         --lines kvroute_dbg,vllm_router_cache_aware \\
@@ -74,6 +75,7 @@ def engine_report(label, r, every_s):
         live = collections.Counter(engine_of(x) for x in xs if x["sent_s"] <= t < x["sent_s"] + x["e2e_ms"] / 1000)
         out.append(f"  t={t:5.0f} s  " + " ".join(f"{live[e]:3d}" for e in engines))
         t += every_s
+    out.extend(step_moves(xs))
     counted = [(int(route_fields(x)["hits"]) * BLOCK_TOKENS, x) for x in xs if "hits" in route_fields(x)]
     if counted:
         short = [(c - x["cached_tokens"], x) for c, x in counted if c - x["cached_tokens"] >= BLOCK_TOKENS]
@@ -83,6 +85,33 @@ def engine_report(label, r, every_s):
         out.append(f"  the router counted a hit rate of {believed:.2f}, the engines found {found:.2f}; "
                    f"{len(short)} of {len(counted)} requests found at least a block less than counted")
     return "\n".join(out)
+
+
+def step_moves(xs):
+    """Per step: how many conversations went to another engine than their previous step's,
+    and, where the samples carry the router's count (kvroute's debug header), the hit rate
+    it counted against what the engines found (a gap: blocks evicted between the decision
+    and the prefill)."""
+    steps = by_step(xs)
+    last, moved = {}, collections.Counter()
+    for i, group in sorted(steps.items()):
+        for x in group:
+            e = engine_of(x)
+            moved[i] += x["key"] in last and last[x["key"]] != e
+            last[x["key"]] = e
+    out = ["  conversations that changed engine, per step:".ljust(50) + " ".join(
+        "   -" if i == 1 else f"{moved[i]:4d}" for i in sorted(steps))]
+    if all("hits" in route_fields(x) for x in xs):
+        def counted(x):
+            return min(int(route_fields(x)["hits"]) * BLOCK_TOKENS, x["prompt_tokens"])
+
+        def found(x):
+            return x["cached_tokens"]
+
+        for name, cached in (("the router counted", counted), ("the engines found", found)):
+            rates = (sum(map(cached, g)) / max(1, sum(x["prompt_tokens"] for x in g)) for _, g in sorted(steps.items()))
+            out.append(f"  hit rate {name}, per step:".ljust(50) + " ".join(f"{r:4.2f}" for r in rates))
+    return out
 
 
 def sampled_report(label, inflight, every_s):

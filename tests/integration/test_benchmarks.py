@@ -199,6 +199,13 @@ def test_session_steps_reads_the_committed_agentic_runs(tmp_path):
     assert "vllm_router_cache_aware: requests in flight per engine, from the engines' gauges" in r.stdout
     assert "t=   30 s    4   4   4   4   4   4   4   4" in r.stdout
     assert "t=   10 s    0   0   0  12   0   0   0   0" in r.stdout  # kvroute's, from its debug header
+    # Per step: the conversations that changed engine, and the router's count against the
+    # engines' (the debug header's hits), as the README quotes them.
+    per_step = {line.split(":")[0].strip(): line.split(":")[1].split()
+                for line in r.stdout.splitlines() if "per step:" in line}
+    assert per_step["conversations that changed engine, per step"] == "- 14 12 6 7 3 3 4".split()
+    assert per_step["hit rate the router counted, per step"][5:] == ["0.89", "0.89", "0.87"]
+    assert per_step["hit rate the engines found, per step"][5:] == ["0.76", "0.66", "0.72"]
     # One line from two runs: both reported, told apart by the run's folder.
     both = [*placement, str(runs / "a" / "samples" / "agentic_70.kvroute_dbg.json")]
     r = subprocess.run([sys.executable, str(ROOT / "benches" / "session_steps.py"), *both],
