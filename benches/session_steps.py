@@ -35,6 +35,22 @@ def engine_of(sample):
     return sample.get("worker") or route_fields(sample).get("worker") or ""
 
 
+def found_tokens(sample):
+    """The prompt tokens the engine found cached, as it reported them."""
+    return sample["cached_tokens"]
+
+
+def counted_tokens(sample):
+    """The prompt tokens the router counted as cached (kvroute's debug header), at most the
+    prompt."""
+    return min(int(route_fields(sample)["hits"]) * BLOCK_TOKENS, sample["prompt_tokens"])
+
+
+def hit_rate(samples, cached=found_tokens):
+    """Cached ÷ prompt tokens over `samples`."""
+    return sum(map(cached, samples)) / max(1, sum(x["prompt_tokens"] for x in samples))
+
+
 def by_step(samples):
     """{step: [sample]} with steps counted from 1 per conversation, in sending order."""
     seen, steps = collections.Counter(), collections.defaultdict(list)
@@ -52,10 +68,8 @@ def step_table(runs):
     for label, r in runs.items():
         cells = []
         for i, xs in sorted(by_step(r["samples"]).items()):
-            hit = sum(x["cached_tokens"] for x in xs) / max(1, sum(x["prompt_tokens"] for x in xs))
-            cells.append(f"{hit:.2f}, {statistics.median(x['ttft_ms'] for x in xs) * r['speedup']:.0f}")
-        hit = sum(x["cached_tokens"] for x in r["samples"]) / max(1, sum(x["prompt_tokens"] for x in r["samples"]))
-        rows.append(f"| {label} | " + " | ".join(cells) + f" | {hit:.2f} |")
+            cells.append(f"{hit_rate(xs):.2f}, {statistics.median(x['ttft_ms'] for x in xs) * r['speedup']:.0f}")
+        rows.append(f"| {label} | " + " | ".join(cells) + f" | {hit_rate(r['samples']):.2f} |")
     return "\n".join(rows)
 
 
@@ -79,9 +93,7 @@ def engine_report(label, r, every_s):
     counted = [(int(route_fields(x)["hits"]) * BLOCK_TOKENS, x) for x in xs if "hits" in route_fields(x)]
     if counted:
         short = [(c - x["cached_tokens"], x) for c, x in counted if c - x["cached_tokens"] >= BLOCK_TOKENS]
-        prompt = sum(x["prompt_tokens"] for _, x in counted)
-        believed = sum(min(c, x["prompt_tokens"]) for c, x in counted) / prompt
-        found = sum(x["cached_tokens"] for _, x in counted) / prompt
+        believed, found = (hit_rate([x for _, x in counted], cached) for cached in (counted_tokens, found_tokens))
         out.append(f"  the router counted a hit rate of {believed:.2f}, the engines found {found:.2f}; "
                    f"{len(short)} of {len(counted)} requests found at least a block less than counted")
     return "\n".join(out)
@@ -102,14 +114,8 @@ def step_moves(xs):
     out = ["  conversations that changed engine, per step:".ljust(50) + " ".join(
         "   -" if i == 1 else f"{moved[i]:4d}" for i in sorted(steps))]
     if all("hits" in route_fields(x) for x in xs):
-        def counted(x):
-            return min(int(route_fields(x)["hits"]) * BLOCK_TOKENS, x["prompt_tokens"])
-
-        def found(x):
-            return x["cached_tokens"]
-
-        for name, cached in (("the router counted", counted), ("the engines found", found)):
-            rates = (sum(map(cached, g)) / max(1, sum(x["prompt_tokens"] for x in g)) for _, g in sorted(steps.items()))
+        for name, cached in (("the router counted", counted_tokens), ("the engines found", found_tokens)):
+            rates = (hit_rate(g, cached) for _, g in sorted(steps.items()))
             out.append(f"  hit rate {name}, per step:".ljust(50) + " ".join(f"{r:4.2f}" for r in rates))
     return out
 
