@@ -7,7 +7,8 @@ engines' own in-flight gauges, which peers.py reads every second with --keep-sam
 how many conversations changed engine at each step, and how often the router's own
 count of a request's cache hits exceeded what the engine found, per step and in all (the
 blocks were evicted between the decision and the prefill, or the router's view was
-stale).
+stale), where each conversation's first step went and what chose each move, and a fit of
+the TTFTs to the terms the cost prices (what a block of each costs a first token).
 
     python3 benches/peers.py --sim mocker --workloads agentic_70 --keep-samples --out DIR \\
         --lines kvroute_dbg,vllm_router_cache_aware \\
@@ -90,6 +91,7 @@ def engine_report(label, r, every_s):
         out.append(f"  t={t:5.0f} s  " + " ".join(f"{live[e]:3d}" for e in engines))
         t += every_s
     out.extend(step_moves(xs))
+    out.append(ttft_terms(xs, r["speedup"]))
     counted = [(int(route_fields(x)["hits"]) * BLOCK_TOKENS, x) for x in xs if "hits" in route_fields(x)]
     if counted:
         short = [(c - x["cached_tokens"], x) for c, x in counted if c - x["cached_tokens"] >= BLOCK_TOKENS]
@@ -99,25 +101,90 @@ def engine_report(label, r, every_s):
     return "\n".join(out)
 
 
+# kvroute's debug-header flags of a decision that passed the cheapest worker over.
+MOVE_REASONS = {"spilled": "wait limit", "memory": "memory limit", "holder": "holder tie"}
+
+
 def step_moves(xs):
     """Per step: how many conversations went to another engine than their previous step's,
     and, where the samples carry the router's count (kvroute's debug header), the hit rate
     it counted against what the engines found (a gap: blocks evicted between the decision
     and the prefill)."""
     steps = by_step(xs)
-    last, moved = {}, collections.Counter()
+    last, moved, why = {}, collections.Counter(), collections.Counter()
     for i, group in sorted(steps.items()):
         for x in group:
             e = engine_of(x)
-            moved[i] += x["key"] in last and last[x["key"]] != e
+            if x["key"] in last and last[x["key"]] != e:
+                moved[i] += 1
+                # What kvroute's debug header says passed the cheaper worker over, if anything.
+                why[next((MOVE_REASONS[k] for k in MOVE_REASONS if k in route_fields(x)), "cost")] += 1
             last[x["key"]] = e
+    first = collections.Counter(engine_of(x) for x in steps[1])
     out = ["  conversations that changed engine, per step:".ljust(50) + " ".join(
-        "   -" if i == 1 else f"{moved[i]:4d}" for i in sorted(steps))]
+        "   -" if i == 1 else f"{moved[i]:4d}" for i in sorted(steps)),
+           f"  first steps per engine, most first: {' '.join(map(str, sorted(first.values(), reverse=True)))}"]
+    if why and all("hits" in route_fields(x) for x in xs):
+        out.append("  the moves by what chose the new engine: " + ", ".join(f"{n} {k}" for k, n in why.most_common()))
     if all("hits" in route_fields(x) for x in xs):
         for name, cached in (("the router counted", counted_tokens), ("the engines found", found_tokens)):
             rates = (hit_rate(g, cached) for _, g in sorted(steps.items()))
             out.append(f"  hit rate {name}, per step:".ljust(50) + " ".join(f"{r:4.2f}" for r in rates))
     return out
+
+
+def ttft_terms(xs, speedup):
+    """A least-squares fit of each request's TTFT (model ms) to the three quantities the
+    cost prices, on the engine that served it: its own uncached blocks (as the engine found
+    them), the uncached blocks of requests sent there before it whose first token had not
+    come (prefill queued ahead), and the prompt blocks of requests in flight there (load).
+    Its coefficients are what a block of each costs a request's first token; their ratio is
+    what a weight learned from TTFTs would set."""
+    by_engine = collections.defaultdict(list)
+    for x in xs:
+        by_engine[engine_of(x)].append(x)
+
+    def miss(x):
+        return (x["prompt_tokens"] - x["cached_tokens"]) / BLOCK_TOKENS
+
+    rows, ys = [], []
+    for x in xs:
+        t = x["sent_s"]
+        before = [o for o in by_engine[engine_of(x)] if o is not x and o["sent_s"] <= t]
+        queued = sum(miss(o) for o in before if o["sent_s"] + o["ttft_ms"] / 1000 > t)
+        load = sum(o["prompt_tokens"] / BLOCK_TOKENS for o in before if o["sent_s"] + o["e2e_ms"] / 1000 > t)
+        rows.append([1.0, miss(x), queued, load])
+        ys.append(x["ttft_ms"] * speedup)
+    coef = least_squares(rows, ys)
+    if coef is None:
+        return "  TTFT fit: the terms do not vary enough to fit"
+    mean = statistics.fmean(ys)
+    residual = sum((y - sum(c * v for c, v in zip(coef, row))) ** 2 for row, y in zip(rows, ys))
+    r2 = 1 - residual / max(1e-9, sum((y - mean) ** 2 for y in ys))
+    _, per_miss, per_queued, per_load = coef
+    return (f"  TTFT fit (model ms a block): {per_miss:.2f} uncached, {per_queued:.2f} queued for prefill "
+            f"ahead, {per_load:.3f} in flight; R² {r2:.2f}; an uncached block costs "
+            f"{per_miss / per_load:.0f}× a block in flight" if per_load > 0 else
+            f"  TTFT fit (model ms a block): {per_miss:.2f} uncached, {per_queued:.2f} queued, "
+            f"{per_load:.3f} in flight; R² {r2:.2f}")
+
+
+def least_squares(rows, ys):
+    """The coefficients minimising the squared error of rows · c against ys (the normal
+    equations, solved by Gaussian elimination), or None when they are singular."""
+    n = len(rows[0])
+    a = [[sum(r[i] * r[j] for r in rows) for j in range(n)] + [sum(r[i] * y for r, y in zip(rows, ys))]
+         for i in range(n)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda i: abs(a[i][col]))
+        if abs(a[pivot][col]) < 1e-9:
+            return None
+        a[col], a[pivot] = a[pivot], a[col]
+        for i in range(n):
+            if i != col:
+                f = a[i][col] / a[col][col]
+                a[i] = [v - f * w for v, w in zip(a[i], a[col])]
+    return [a[i][n] / a[i][i] for i in range(n)]
 
 
 def sampled_report(label, inflight, every_s):

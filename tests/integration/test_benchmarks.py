@@ -206,6 +206,17 @@ def test_session_steps_reads_the_committed_agentic_runs(tmp_path):
     assert per_step["conversations that changed engine, per step"] == "- 14 12 6 7 3 3 4".split()
     assert per_step["hit rate the router counted, per step"][5:] == ["0.89", "0.89", "0.87"]
     assert per_step["hit rate the engines found, per step"][5:] == ["0.76", "0.66", "0.72"]
+    # Where the first steps went and what chose the moves, and the TTFT fit the README's
+    # "What a weight learned from first tokens would set" quotes.
+    assert "first steps per engine, most first: 17 8 7\n" in r.stdout
+    assert "the moves by what chose the new engine: 33 cost, 13 memory limit, 3 wait limit" in r.stdout
+    assert "1.49 uncached, 3.19 queued for prefill ahead, 0.048 in flight; R² 0.64" in r.stdout
+    fleet = sorted(str(p) for p in (runs / "fit-fleet").glob("samples/*.json"))
+    r = subprocess.run([sys.executable, str(ROOT / "benches" / "session_steps.py"), *fleet],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "3.13 uncached, 1.63 queued for prefill ahead, 0.036 in flight; R² 0.95" in r.stdout
+    assert "3.26 uncached, 1.73 queued for prefill ahead, 0.114 in flight; R² 0.94" in r.stdout
     # One line from two runs: both reported, told apart by the run's folder.
     both = [*placement, str(runs / "a" / "samples" / "agentic_70.kvroute_dbg.json")]
     r = subprocess.run([sys.executable, str(ROOT / "benches" / "session_steps.py"), *both],
@@ -219,3 +230,14 @@ def test_session_steps_reads_the_committed_agentic_runs(tmp_path):
     bad = subprocess.run([sys.executable, str(ROOT / "benches" / "session_steps.py"), str(stray)],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and "no run of agentic_70 kvroute_dbg" in bad.stderr
+
+
+def test_the_ttft_fit_recovers_known_coefficients():
+    """session_steps.least_squares on exact data returns the coefficients that made it, and
+    None where a term never varies (it cannot be told from the intercept)."""
+    sys.path.insert(0, str(ROOT / "benches"))
+    import session_steps
+    rows = [[1.0, a, b, (a * b) % 7] for a in range(5) for b in range(4)]
+    ys = [2 + 3 * a - 0.5 * b + 0.25 * c for _, a, b, c in rows]
+    assert [round(c, 9) for c in session_steps.least_squares(rows, ys)] == [2, 3, -0.5, 0.25]
+    assert session_steps.least_squares([[1.0, 1.0, a, 0.0] for a in range(5)], list(range(5))) is None
