@@ -21,7 +21,10 @@ would); two sidecars reading the stream (`kv_event_transport = "nats"`).
     cargo build --release -p kvroute-sidecar -p kvroute-fleet
     cargo build --target wasm32-unknown-unknown --release
     python3 benches/gateways.py [--workloads shared_prefix_70,zipf_hot_70,agentic_70]
-                                [--json docs/gateways-results.json]
+                                [--json docs/gateways-results.json] [--keep-samples DIR]
+
+With --keep-samples, `benches/session_steps.py DIR/samples/*.json` reads where each
+conversation went with one gateway and with two.
 """
 import argparse
 import json
@@ -77,6 +80,9 @@ def main():
     ap.add_argument("--speedup", type=float, default=5.0)
     ap.add_argument("--workloads", default="shared_prefix_70,zipf_hot_70,agentic_70")
     ap.add_argument("--json", help="write results here")
+    ap.add_argument("--keep-samples", metavar="DIR",
+                    help="keep every request's sample in DIR/samples/<workload>.<line>.json, with DIR/results.json, "
+                         "as peers.py --keep-samples does (for benches/session_steps.py)")
     args = ap.parse_args()
     # routing_quality's workload table reads these.
     args.quick, args.trace, args.mooncake_blocks, args.trace_requests = False, "", 8192, 2000
@@ -121,13 +127,19 @@ def main():
             for n, sticky in ((1, False), (2, False), (2, True)):
                 reset()
                 es = envoys(n)
-                path = out / f"{wname}.{n}.json"
-                load(engines, [lp for _, lp, _ in es], wargs, path, f"{n}gw", sticky).wait()
+                label = f"{n}gw" + ("_sticky" if sticky else "")
+                path = out / f"{wname}.{label}.json"
+                load(engines, [lp for _, lp, _ in es], wargs, path, label, sticky).wait()
                 for envoy, _, _ in es:
                     procs.stop(envoy)
                 r = json.loads(path.read_text())
-                r.pop("samples")
-                run = {"workload": wname, "gateways": n, "sticky": sticky, "hit_rate": r["hit_rate"],
+                samples = r.pop("samples")
+                if args.keep_samples:
+                    kept = pathlib.Path(args.keep_samples) / "samples"
+                    kept.mkdir(parents=True, exist_ok=True)
+                    (kept / f"{wname}.{label}.json").write_text(json.dumps({"label": label, "samples": samples}))
+                run = {"workload": wname, "label": label, "speedup": args.speedup,
+                       "gateways": n, "sticky": sticky, "hit_rate": r["hit_rate"],
                        "oracle_hit_rate": r["oracle_hit_rate"], "failed": r["failed"],
                        "ttft_p50_ms": round(r["ttft_ms"]["p50"] * args.speedup),
                        "ttft_p99_ms": round(r["ttft_ms"]["p99"] * args.speedup)}
@@ -169,6 +181,8 @@ def main():
     print(json.dumps(results, indent=1))
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+    if args.keep_samples:
+        (pathlib.Path(args.keep_samples) / "results.json").write_text(json.dumps(results, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -107,9 +107,10 @@ MOVE_REASONS = {"spilled": "wait limit", "memory": "memory limit", "holder": "ho
 
 def step_moves(xs):
     """Per step: how many conversations went to another engine than their previous step's,
-    and, where the samples carry the router's count (kvroute's debug header), the hit rate
-    it counted against what the engines found (a gap: blocks evicted between the decision
-    and the prefill)."""
+    how many first steps each engine took, and, where the samples carry kvroute's debug
+    header, what chose each move (the cost, or a limit or tie passing the cheapest over)
+    and the hit rate the router counted against what the engines found (a gap: blocks
+    evicted between the decision and the prefill)."""
     steps = by_step(xs)
     last, moved, why = {}, collections.Counter(), collections.Counter()
     for i, group in sorted(steps.items()):
@@ -124,9 +125,10 @@ def step_moves(xs):
     out = ["  conversations that changed engine, per step:".ljust(50) + " ".join(
         "   -" if i == 1 else f"{moved[i]:4d}" for i in sorted(steps)),
            f"  first steps per engine, most first: {' '.join(map(str, sorted(first.values(), reverse=True)))}"]
-    if why and all("hits" in route_fields(x) for x in xs):
-        out.append("  the moves by what chose the new engine: " + ", ".join(f"{n} {k}" for k, n in why.most_common()))
     if all("hits" in route_fields(x) for x in xs):
+        if why:
+            out.append("  the moves by what chose the new engine: " +
+                       ", ".join(f"{n} {k}" for k, n in why.most_common()))
         for name, cached in (("the router counted", counted_tokens), ("the engines found", found_tokens)):
             rates = (hit_rate(g, cached) for _, g in sorted(steps.items()))
             out.append(f"  hit rate {name}, per step:".ljust(50) + " ".join(f"{r:4.2f}" for r in rates))
@@ -162,11 +164,9 @@ def ttft_terms(xs, speedup):
     residual = sum((y - sum(c * v for c, v in zip(coef, row))) ** 2 for row, y in zip(rows, ys))
     r2 = 1 - residual / max(1e-9, sum((y - mean) ** 2 for y in ys))
     _, per_miss, per_queued, per_load = coef
-    return (f"  TTFT fit (model ms a block): {per_miss:.2f} uncached, {per_queued:.2f} queued for prefill "
-            f"ahead, {per_load:.3f} in flight; R² {r2:.2f}; an uncached block costs "
-            f"{per_miss / per_load:.0f}× a block in flight" if per_load > 0 else
-            f"  TTFT fit (model ms a block): {per_miss:.2f} uncached, {per_queued:.2f} queued, "
-            f"{per_load:.3f} in flight; R² {r2:.2f}")
+    line = (f"  TTFT fit (model ms a block): {per_miss:.2f} uncached, {per_queued:.2f} queued for prefill "
+            f"ahead, {per_load:.3f} in flight; R² {r2:.2f}")
+    return line + (f"; an uncached block costs {per_miss / per_load:.0f}× a block in flight" if per_load > 0 else "")
 
 
 def least_squares(rows, ys):
