@@ -530,10 +530,8 @@ impl SyncIndex {
     /// (blocks a request reserved but has not filled yet are not in it, which makes the
     /// figure the room for cached prompts, what the memory limit compares with).
     fn learn_capacity(&mut self, slot: usize, held: u32) {
-        let evicted = self.gpu_blocks(slot) < held;
-        if let Some(s) = self.slots.get_mut(slot).filter(|s| evicted && held > s.kv_capacity_blocks) {
-            s.kv_capacity_blocks = held;
-            self.table_dirty = true;
+        if self.gpu_blocks(slot) < held {
+            self.capacity_at_least(slot, held);
         }
     }
 
@@ -542,9 +540,15 @@ impl SyncIndex {
     /// was not for memory, a sliding window's, say) and rises to what the engine holds, so
     /// the memory limit does not keep passing over an engine for room it is seen to have.
     fn raise_capacity(&mut self, slot: usize) {
-        let held = self.gpu_blocks(slot);
-        if let Some(s) = self.slots.get_mut(slot).filter(|s| s.kv_capacity_blocks != 0 && held > s.kv_capacity_blocks) {
-            s.kv_capacity_blocks = held;
+        if self.slots.get(slot).is_some_and(|s| s.kv_capacity_blocks != 0) {
+            self.capacity_at_least(slot, self.gpu_blocks(slot));
+        }
+    }
+
+    /// Raises `slot`'s learned capacity to `blocks` if it is lower; the table then carries it.
+    fn capacity_at_least(&mut self, slot: usize, blocks: u32) {
+        if let Some(s) = self.slots.get_mut(slot).filter(|s| blocks > s.kv_capacity_blocks) {
+            s.kv_capacity_blocks = blocks;
             self.table_dirty = true;
         }
     }
