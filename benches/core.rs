@@ -66,6 +66,7 @@ fn ranking(c: &mut Criterion) {
                 memory_blocks: (s as u32 * 13) % 500,
                 kv_capacity_blocks: Some(400),
                 worker_key: worker_key(&format!("10.0.{}.{}:8000", s / 250, s % 250)),
+                key_load: 0,
             })
             .collect();
         let mut out = Vec::new();

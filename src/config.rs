@@ -143,6 +143,9 @@ struct RawFilterConfig {
     forward_token_headers: bool,
     lora_header: Option<String>,
     cache_salt_header: Option<String>,
+    cache_key_header: Option<String>,
+    cache_key_spread: Option<f64>,
+    cache_key_window_ms: u64,
     offload_hit_credit: f64,
     active_blocks: ActiveBlocks,
     prefill_load_weight: f64,
@@ -176,6 +179,9 @@ impl Default for RawFilterConfig {
             forward_token_headers: false,
             lora_header: Some("x-kvroute-lora".into()),
             cache_salt_header: Some("x-kvroute-cache-salt".into()),
+            cache_key_header: Some("x-kvroute-cache-key".into()),
+            cache_key_spread: Some(DEFAULT_CACHE_KEY_SPREAD),
+            cache_key_window_ms: 60_000,
             offload_hit_credit: DEFAULT_OFFLOAD_HIT_CREDIT,
             active_blocks: ActiveBlocks::Potential,
             prefill_load_weight: DEFAULT_PREFILL_LOAD_WEIGHT,
@@ -224,6 +230,16 @@ pub struct FilterConfig {
     pub lora_header: Option<String>,
     /// Header carrying the request's cache salt (vLLM's `cache_salt`). `None`: not read.
     pub cache_salt_header: Option<String>,
+    /// Header carrying the request's cache key ([`crate::cachekey`]: OpenAI's
+    /// `prompt_cache_key`, which the stage copies here). `None`: not read.
+    pub cache_key_header: Option<String>,
+    /// What the first request of a cache key new to the router is charged on a worker for
+    /// each key placed there within the window, in the request's blocks
+    /// ([`crate::cachekey`]). `None`: keys are not read.
+    pub cache_key_spread: Option<f64>,
+    /// How long a key is remembered after its last request, and the window its placements
+    /// are counted in (the last one to two windows).
+    pub cache_key_window_ms: u64,
     /// What a cache hit held only in an offload tier (CPU memory, disk) is worth, against 1
     /// for a GPU hit. In 0..=1.
     pub offload_hit_credit: f64,
@@ -267,6 +283,9 @@ pub const DEFAULT_WAIT_SLACK_PER_HIT: f64 = 0.5;
 /// prefill (zipf_hot's tail); below ~0.35 a burst of a dozen same-prefix requests splits.
 /// Everywhere (not only with an idle worker) 0.45 cost the mocker's zipf_hot its hit rate.
 pub const DEFAULT_IDLE_WAIT_SLACK_PER_HIT: f64 = 0.45;
+
+/// Chosen by the head-to-head benchmark (docs/benchmarks.md, "Cache keys").
+pub const DEFAULT_CACHE_KEY_SPREAD: f64 = 2.0;
 
 /// Chosen by the head-to-head benchmark (docs/benchmarks.md): 0.5 and 1 lose the agentic loop.
 pub const DEFAULT_HOLDER_TIE_PER_HIT: f64 = 0.25;
@@ -330,6 +349,11 @@ impl FilterConfig {
         let debug_header = optional("debug_header", raw.debug_header)?;
         let lora_header = optional("lora_header", raw.lora_header)?;
         let cache_salt_header = optional("cache_salt_header", raw.cache_salt_header)?;
+        let cache_key_header = optional("cache_key_header", raw.cache_key_header)?;
+        let cache_key_spread = raw.cache_key_spread.map(|v| weight("cache_key_spread", v)).transpose()?;
+        if !(1_000..=86_400_000).contains(&raw.cache_key_window_ms) {
+            return Err(bad("cache_key_window_ms", format!("{} is not in 1000..=86400000", raw.cache_key_window_ms)));
+        }
         // No two settings may name the same header.
         let named = [
             ("token_header", Some(&token_header)),
@@ -339,6 +363,7 @@ impl FilterConfig {
             ("debug_header", debug_header.as_ref()),
             ("lora_header", lora_header.as_ref()),
             ("cache_salt_header", cache_salt_header.as_ref()),
+            ("cache_key_header", cache_key_header.as_ref()),
         ];
         for (j, (key, h)) in named.iter().enumerate() {
             let Some(h) = h else { continue };
@@ -366,6 +391,9 @@ impl FilterConfig {
             forward_token_headers: raw.forward_token_headers,
             lora_header,
             cache_salt_header,
+            cache_key_header,
+            cache_key_spread,
+            cache_key_window_ms: raw.cache_key_window_ms,
             offload_hit_credit: match raw.offload_hit_credit {
                 c if (0.0..=1.0).contains(&c) => c,
                 c => return Err(bad("offload_hit_credit", format!("{c} is not in 0..=1"))),
@@ -568,6 +596,11 @@ mod tests {
             (r#"{"kv_capacity_blocks": 4294967296}"#, "invalid value"),
             (r#"{"kv_capacity_blocks": "auto"}"#, "invalid value"),
             (r#"{"kv_capacity_blocks": true}"#, "invalid type"),
+            (r#"{"cache_key_spread": -1}"#, "cache_key_spread"),
+            (r#"{"cache_key_window_ms": 999}"#, "cache_key_window_ms"),
+            (r#"{"cache_key_window_ms": 86400001}"#, "cache_key_window_ms"),
+            (r#"{"cache_key_header": "x-kvroute-cache-salt"}"#, "cache_key_header"),
+            (r#"{"cache_key_header": "X-Key"}"#, "cache_key_header"),
             (r#"{"active_blocks": "current"}"#, "unknown variant"),
             (r#"{"destination_via": "cookie"}"#, "unknown variant"),
             (r#"[1]"#, "invalid"),

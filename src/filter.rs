@@ -6,6 +6,7 @@
 //! One [`Filter`] serves the streams of one Envoy worker thread; its per-request state is
 //! a [`Stream`] the host keeps beside its own stream context.
 
+use crate::cachekey::key_hash;
 use crate::config::{ConfigError, DestinationVia, FilterConfig};
 use crate::hash::namespace;
 use crate::host::{BatchedCounter, Host, RequestHeaders, Stats};
@@ -42,6 +43,7 @@ struct Metrics {
     memory_limited: BatchedCounter,
     kept_on_holder: BatchedCounter,
     least_cached: BatchedCounter,
+    new_cache_keys: BatchedCounter,
     override_refused: BatchedCounter,
     unflushed: u32,
 }
@@ -67,6 +69,7 @@ impl Metrics {
             memory_limited: counter("kvroute.memory_limited"),
             kept_on_holder: counter("kvroute.kept_on_holder"),
             least_cached: counter("kvroute.least_cached"),
+            new_cache_keys: counter("kvroute.new_cache_keys"),
             override_refused: counter("kvroute.upstream_override_refused"),
             unflushed: 0,
         }
@@ -97,6 +100,7 @@ impl Metrics {
         self.memory_limited.add(u64::from(d.memory_limited));
         self.kept_on_holder.add(u64::from(d.kept_on_holder));
         self.least_cached.add(u64::from(d.least_cached));
+        self.new_cache_keys.add(u64::from(d.new_cache_key));
         self.unflushed += 1;
         self.unflushed >= FLUSH_EVERY
     }
@@ -116,6 +120,7 @@ impl Metrics {
             &mut self.memory_limited,
             &mut self.kept_on_holder,
             &mut self.least_cached,
+            &mut self.new_cache_keys,
             &mut self.override_refused,
         ];
         let by_kind = self.fallback.iter_mut().map(|(_, c)| c).chain(self.token_errors.iter_mut().map(|(_, c)| c));
@@ -224,8 +229,10 @@ impl<H: Host> Filter<H> {
             (None, Some(v)) => TokenSource::Header { value: v, encoding: TokenEncoding::Decimal, namespace: ns },
             (None, None) => TokenSource::Missing,
         };
+        let cache_key = cfg.cache_key_header.as_deref().and_then(|h| headers.get(h));
         let entropy = xorshift(&mut self.entropy);
-        let d = self.router.route(self.host.store(), tokens, self.host.now_ms(), entropy);
+        let key_hash = cache_key.as_deref().filter(|k| !k.is_empty()).map(key_hash);
+        let d = self.router.route_keyed(self.host.store(), tokens, key_hash, self.host.now_ms(), entropy);
 
         if let Some(e) = &d.token_error {
             log::debug!("kvroute: token header not usable ({e}); routing by load");
@@ -255,7 +262,9 @@ impl<H: Host> Filter<H> {
             if b64.is_some() || dec.is_some() {
                 headers.remove(&cfg.token_header);
             }
-            for (read, name) in [(&lora, &cfg.lora_header), (&salt, &cfg.cache_salt_header)] {
+            for (read, name) in
+                [(&lora, &cfg.lora_header), (&salt, &cfg.cache_salt_header), (&cache_key, &cfg.cache_key_header)]
+            {
                 if let (Some(_), Some(name)) = (read, name) {
                     headers.remove(name);
                 }

@@ -10,6 +10,7 @@
 //! | `kvroute.load` | filters (CAS) | [`LoadVector`]: distinct in-flight blocks per slot |
 //! | `kvroute.cached` | sync | [`CachedBlocks`]: blocks each slot holds in GPU memory |
 //! | `kvroute.b.{0..n_buckets}` | sync + filters (CAS) | [`Bucket`]: cached blocks and in-flight/predicted blocks |
+//! | `kvroute.k.{0..64}`, `kvroute.keyload` | filters (CAS) | cache keys ([`crate::cachekey`]) |
 //!
 //! Blocks are grouped into *segments* of a request's block sequence whose lengths double:
 //! `[0,32) [32,64) [64,128) [128,256) …` (see [`crate::hash::segments`]). All blocks of one segment go to
@@ -247,21 +248,61 @@ impl CachedBlocks {
 // ---------------------------------------------------------------------------------------
 // Load vector
 
+/// A count kept in two epochs, so that what nothing takes back still expires: a charge
+/// goes into the current epoch and its release comes out of the epoch it went into; a
+/// charge whose release never comes (a VM that died) stops counting once its epoch is two
+/// behind. Also a plain count of recent events (nothing released): then it counts the
+/// events of the last one to two epochs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct EpochCount {
+    /// The epoch `now` belongs to; `before` is the one before it.
+    pub epoch: u32,
+    pub now: u32,
+    pub before: u32,
+}
+
+impl EpochCount {
+    /// The count as of `epoch`.
+    pub fn get(&self, epoch: u32) -> u32 {
+        match epoch.wrapping_sub(self.epoch) {
+            0 => self.now.saturating_add(self.before),
+            1 => self.now,
+            _ => 0,
+        }
+    }
+
+    /// Moves the epochs forward to `epoch` (never back: a writer with a slower clock
+    /// charges the current epoch).
+    fn advance(&mut self, epoch: u32) {
+        let ahead = epoch.wrapping_sub(self.epoch);
+        if ahead == 0 || ahead > u32::MAX / 2 {
+            return;
+        }
+        self.before = if ahead == 1 { self.now } else { 0 };
+        self.now = 0;
+        self.epoch = epoch;
+    }
+
+    /// Adds `n` (a release: < 0) to epoch `at`, by a writer whose clock is at `epoch`. A
+    /// change for an epoch that is no longer kept is dropped: that charge has expired.
+    pub fn add(&mut self, at: u32, n: i64, epoch: u32) {
+        self.advance(epoch);
+        match self.epoch.wrapping_sub(at) {
+            0 => self.now = saturate(i64::from(self.now) + n),
+            1 => self.before = saturate(i64::from(self.before) + n),
+            _ => {}
+        }
+    }
+}
+
 /// One slot's load: its distinct in-flight prompt blocks (`active_blocks`) and its
 /// outstanding prefill, the uncached prompt blocks of requests whose prefill has not
-/// finished.
-///
-/// Outstanding prefill is a sum with nothing to expire it entry by entry, so it is kept in
-/// two epochs of [`PREFILL_EPOCH_MS`]: a charge goes into the current epoch and its release
-/// comes out of the epoch it went into. A charge whose release never comes (a VM that died)
-/// stops counting once its epoch is two behind: after one to two epochs.
+/// finished, kept in two epochs of [`PREFILL_EPOCH_MS`] ([`EpochCount`]): a sum with
+/// nothing to expire it entry by entry.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct SlotLoad {
     pub active: u32,
-    /// The epoch `prefill_now` belongs to; `prefill_before` is the one before it.
-    pub prefill_epoch: u32,
-    pub prefill_now: u32,
-    pub prefill_before: u32,
+    pub prefill: EpochCount,
 }
 
 /// Length of an outstanding-prefill epoch: a prefill still running after a minute may stop
@@ -276,23 +317,7 @@ pub fn prefill_epoch(now_ms: u64) -> u32 {
 impl SlotLoad {
     /// Outstanding prefill blocks as of `epoch`.
     pub fn pending_prefill(&self, epoch: u32) -> u32 {
-        match epoch.wrapping_sub(self.prefill_epoch) {
-            0 => self.prefill_now.saturating_add(self.prefill_before),
-            1 => self.prefill_now,
-            _ => 0,
-        }
-    }
-
-    /// Moves the epochs forward to `epoch` (never back: a writer with a slower clock
-    /// charges the current epoch).
-    fn advance(&mut self, epoch: u32) {
-        let ahead = epoch.wrapping_sub(self.prefill_epoch);
-        if ahead == 0 || ahead > u32::MAX / 2 {
-            return;
-        }
-        self.prefill_before = if ahead == 1 { self.prefill_now } else { 0 };
-        self.prefill_now = 0;
-        self.prefill_epoch = epoch;
+        self.prefill.get(epoch)
     }
 }
 
@@ -327,7 +352,7 @@ impl LoadVector {
                 .take(MAX_SLOTS)
                 .map(|c| {
                     let u = |i: usize| u32::from_le_bytes([c[i], c[i + 1], c[i + 2], c[i + 3]]);
-                    SlotLoad { active: u(0), prefill_epoch: u(4), prefill_now: u(8), prefill_before: u(12) }
+                    SlotLoad { active: u(0), prefill: EpochCount { epoch: u(4), now: u(8), before: u(12) } }
                 })
                 .collect(),
         )
@@ -335,7 +360,7 @@ impl LoadVector {
     pub fn encode(&self) -> Vec<u8> {
         let mut out = Vec::with_capacity(self.0.len() * SLOT_LOAD_BYTES);
         for s in &self.0 {
-            for v in [s.active, s.prefill_epoch, s.prefill_now, s.prefill_before] {
+            for v in [s.active, s.prefill.epoch, s.prefill.now, s.prefill.before] {
                 out.extend_from_slice(&v.to_le_bytes());
             }
         }
@@ -370,12 +395,8 @@ impl LoadVector {
     /// for an epoch that is no longer kept is dropped: that charge has expired already.
     pub fn apply_prefill(&mut self, changes: &[PrefillChange], epoch: u32) {
         for c in changes {
-            let Some(s) = self.slot_mut(c.slot) else { continue };
-            s.advance(epoch);
-            match s.prefill_epoch.wrapping_sub(c.epoch) {
-                0 => s.prefill_now = saturate(i64::from(s.prefill_now) + c.blocks),
-                1 => s.prefill_before = saturate(i64::from(s.prefill_before) + c.blocks),
-                _ => {}
+            if let Some(s) = self.slot_mut(c.slot) {
+                s.prefill.add(c.epoch, c.blocks, epoch);
             }
         }
     }
@@ -860,7 +881,7 @@ mod tests {
         assert_eq!(l.pending_prefill(1, 12), 7);
         // Saturates at 0, and a writer whose clock is behind does not move epochs back.
         l.apply_prefill(&[ch(1, 11, -99)], 11);
-        assert_eq!((l.0[1].prefill_epoch, l.pending_prefill(1, 12)), (12, 0));
+        assert_eq!((l.0[1].prefill.epoch, l.pending_prefill(1, 12)), (12, 0));
         assert_eq!(l.pending_prefill(7, 12), 0);
     }
 }

@@ -13,6 +13,7 @@
 //! - [`layout`]: the shared-data layout the sync service writes and the filter reads
 //! - [`inflight`]: in-flight / predicted blocks and `active_blocks`
 //! - [`scan`]: `cache_hits` per worker over one segment bucket
+//! - [`cachekey`]: cache keys (a conversation, an agent): where each went, keys per worker
 //! - [`router`]: one routing decision over a [`store::SharedStore`]
 //! - [`store`]: the shared-data store, its read-modify-write loop, and an in-process
 //!   store with the host's semantics (tests, benches)
@@ -27,6 +28,7 @@
 // The filter must never panic: a panic kills the VM and every request it would serve.
 #![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used, clippy::panic))]
 
+pub mod cachekey;
 pub mod config;
 pub mod feed;
 pub mod filter;

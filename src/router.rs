@@ -5,6 +5,7 @@
 //! decoding, hashing, the bucket scan, scoring, in-flight accounting — happens here, with
 //! time and the tie-break seed passed in.
 
+use crate::cachekey::{self, key_bucket_key, key_bucket_of, key_epoch, KeyEntry, KeyLoad, KEYLOAD_KEY};
 use crate::config::{ActiveBlocks, FilterConfig, KvCapacity, Mode, TieBreak};
 use crate::hash::{block_hashes_le, segments};
 use crate::inflight::{self, ActiveDelta, Change};
@@ -118,6 +119,8 @@ pub struct Decision {
     pub kept_on_holder: bool,
     /// A tie went to the worker holding the fewest blocks (`tie_break`).
     pub least_cached: bool,
+    /// The request's cache key was new to the router: placed apart from other keys.
+    pub new_cache_key: bool,
 }
 
 impl Decision {
@@ -128,7 +131,7 @@ impl Decision {
         self.least_cached |= r.least_cached;
     }
 
-    /// `worker=…;hits=…;blocks=…;cost=…[;offloaded=…][;prefill=…][;spilled=1][;memory=1][;holder=1][;least_cached=1][;fallback=…]`
+    /// `worker=…;hits=…;blocks=…;cost=…[;offloaded=…][;prefill=…][;spilled=1][;memory=1][;holder=1][;least_cached=1][;new_key=1][;fallback=…]`
     /// for the debug response header.
     pub fn debug_value(&self) -> String {
         let mut s = String::new();
@@ -151,6 +154,9 @@ impl Decision {
         }
         if self.least_cached {
             s.push_str(";least_cached=1");
+        }
+        if self.new_cache_key {
+            s.push_str(";new_key=1");
         }
         if let Some(f) = self.fallback {
             let _ = write!(s, ";fallback={}", f.name());
@@ -211,6 +217,18 @@ struct Request<'a> {
     /// Tie-break key: the first block's hash, or entropy for a request without blocks.
     key: u64,
     epoch: u32,
+    /// A new cache key's charge per key placed on a worker, in blocks, and the counts.
+    key_charge: Option<(f64, &'a KeyLoad, u32)>,
+}
+
+/// The request's cache key as read before ranking.
+struct KeyRead {
+    hash: u64,
+    /// The key's entry, if seen within the window.
+    entry: Option<KeyEntry>,
+    bucket: Option<Versioned>,
+    /// Keys placed per worker, read for a new key only.
+    counts: Option<(KeyLoad, Option<Versioned>)>,
 }
 
 struct ScannedBucket {
@@ -265,6 +283,19 @@ impl Router {
     /// `now_ms`: wall-clock milliseconds; `entropy`: a random number, used only to break
     /// ties for requests without blocks.
     pub fn route(&mut self, store: &dyn SharedStore, tokens: TokenSource<'_>, now_ms: u64, entropy: u64) -> Decision {
+        self.route_keyed(store, tokens, None, now_ms, entropy)
+    }
+
+    /// [`Router::route`] for a request that may carry a cache key ([`cachekey::key_hash`]
+    /// of it).
+    pub fn route_keyed(
+        &mut self,
+        store: &dyn SharedStore,
+        tokens: TokenSource<'_>,
+        cache_key: Option<u64>,
+        now_ms: u64,
+        entropy: u64,
+    ) -> Decision {
         let mut d = Decision::default();
         let Some(decoded) = self.read_table(store, &mut d) else { return d };
         let table = &decoded.table;
@@ -293,6 +324,14 @@ impl Router {
         let (scan, scanned) = self.scan(store, &hashes, table.n_buckets, scan, now_ms, &mut d);
         let epoch = prefill_epoch(now_ms);
         self.cached = None;
+        let key = cache_key.zip(self.cfg.cache_key_spread).map(|(hash, _)| self.read_key(store, hash, now_ms, &mut d));
+        let window = self.cfg.cache_key_window_ms;
+        let key_charge = key
+            .as_ref()
+            .and_then(|k| k.counts.as_ref())
+            .zip(self.cfg.cache_key_spread)
+            .map(|((counts, _), spread)| (spread * f64::from(d.request_blocks), counts, key_epoch(now_ms, window)));
+        d.new_cache_key = key_charge.is_some();
         let request = Request {
             store,
             index_live: table.index_live,
@@ -303,6 +342,7 @@ impl Router {
             blocks: d.request_blocks,
             key: hashes.first().copied().unwrap_or(entropy),
             epoch,
+            key_charge,
         };
 
         // Choose: in PD mode the prefill worker first, then the destination list.
@@ -311,7 +351,7 @@ impl Router {
             if prefill_set.is_empty() {
                 d.fallback.get_or_insert(Fallback::NoPrefillWorker);
             } else {
-                self.rank_set(&request, &prefill_set, self.cfg.prefill_overlap_weight, true, &mut d);
+                self.rank_set(&request, &prefill_set, self.cfg.prefill_overlap_weight, true, false, &mut d);
                 if let Some(best) = self.scored.first() {
                     d.prefiller = Some(table.slots[best.candidate.slot].id.clone());
                     chosen.push(best.candidate.slot as u16);
@@ -324,7 +364,7 @@ impl Router {
         };
         // A decode worker fed by a prefill worker computes none of the prompt.
         let prefills = d.prefiller.is_none();
-        self.rank_set(&request, &decode_set, weight, prefills, &mut d);
+        self.rank_set(&request, &decode_set, weight, prefills, true, &mut d);
         for s in self.scored.iter().take(self.cfg.max_endpoints) {
             d.destinations.push(table.slots[s.candidate.slot].id.clone());
         }
@@ -335,6 +375,9 @@ impl Router {
             let slot = best.candidate.slot as u16;
             if !chosen.contains(&slot) {
                 chosen.push(slot);
+            }
+            if let Some(k) = key {
+                self.record_key(store, k, slot, now_ms, &mut d);
             }
         }
 
@@ -427,9 +470,69 @@ impl Router {
         (scan, scanned)
     }
 
+    /// The request's cache key: its entry and, for a key not seen within the window, the
+    /// keys placed on each worker. Unreadable values count as layout errors and the key as
+    /// new.
+    fn read_key(&self, store: &dyn SharedStore, hash: u64, now_ms: u64, d: &mut Decision) -> KeyRead {
+        d.shared_reads += 1;
+        let bucket = store.get(&key_bucket_key(key_bucket_of(hash))).ok();
+        let value = bucket.as_ref().and_then(|(v, _)| v.as_deref()).unwrap_or_default();
+        let entry = cachekey::find(value, hash).unwrap_or_else(|_| {
+            d.layout_errors += 1;
+            None
+        });
+        let entry = entry.filter(|e| now_ms.saturating_sub(e.seen_ms) <= self.cfg.cache_key_window_ms);
+        let counts = entry.is_none().then(|| {
+            d.shared_reads += 1;
+            let read = store.get(KEYLOAD_KEY).ok();
+            (KeyLoad::decode(read.as_ref().and_then(|(v, _)| v.as_deref()).unwrap_or_default()), read)
+        });
+        KeyRead { hash, entry, bucket, counts }
+    }
+
+    /// Records where the key's request went: its entry (when new, moved, or last written a
+    /// quarter window ago) and, for a key new to `slot`, one more key placed there.
+    fn record_key(&self, store: &dyn SharedStore, k: KeyRead, slot: u16, now_ms: u64, d: &mut Decision) {
+        let window = self.cfg.cache_key_window_ms;
+        let placed = k.entry.is_none_or(|e| e.slot != slot);
+        if !placed && k.entry.is_some_and(|e| now_ms.saturating_sub(e.seen_ms) < window / 4) {
+            return;
+        }
+        let entry = KeyEntry { hash: k.hash, slot, seen_ms: now_ms };
+        let keep_from = now_ms.saturating_sub(window);
+        let edit = |v: &[u8]| cachekey::upsert(v, entry, keep_from).map(|new| Edit::Write(new, ()));
+        let key = key_bucket_key(key_bucket_of(k.hash));
+        if let Err(e) = update(store, &key, k.bucket, &mut d.shared_reads, edit) {
+            d.update_failures += 1;
+            d.layout_errors += u32::from(matches!(e, UpdateError::Rejected(_)));
+            return;
+        }
+        if placed {
+            let epoch = key_epoch(now_ms, window);
+            let first = k.counts.and_then(|(_, read)| read);
+            let edit = |v: &[u8]| {
+                let mut counts = KeyLoad::decode(v);
+                counts.add(usize::from(slot), epoch);
+                Ok::<_, ()>(Edit::Write(counts.encode(), ()))
+            };
+            if update(store, KEYLOAD_KEY, first, &mut d.shared_reads, edit).is_err() {
+                d.update_failures += 1;
+            }
+        }
+    }
+
     /// Scores the slots of `set` into `self.scored`, best first. `prefills`: the chosen
-    /// worker will compute the request's prefill.
-    fn rank_set(&mut self, r: &Request<'_>, set: &SlotSet, weight: f64, prefills: bool, d: &mut Decision) {
+    /// worker will compute the request's prefill; `destination`: it is the request's
+    /// destination, where a new cache key is charged for the keys placed there.
+    fn rank_set(
+        &mut self,
+        r: &Request<'_>,
+        set: &SlotSet,
+        weight: f64,
+        prefills: bool,
+        destination: bool,
+        d: &mut Decision,
+    ) {
         let potential = self.cfg.active_blocks == ActiveBlocks::Potential;
         let (scan, request_blocks) = (r.scan, r.blocks);
         self.candidates.clear();
@@ -460,6 +563,10 @@ impl Router {
                 memory_blocks: with_request,
                 kv_capacity_blocks: r.capacities.get(slot).copied().flatten(),
                 worker_key: r.keys.get(slot).copied().unwrap_or(0),
+                key_load: match r.key_charge.filter(|_| destination) {
+                    Some((per_key, counts, epoch)) => (per_key * f64::from(counts.get(slot, epoch))).min(1.0e9) as u32,
+                    None => 0,
+                },
             });
         }
         let weights = Weights {

@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! cost(w) = overlap_weight × (request_blocks − cache_hits(w)) + active_blocks(w)
-//!         + prefill_load_weight × pending_prefill(w)
+//!         + prefill_load_weight × pending_prefill(w) + key_load(w)
 //! ```
 //!
 //! The first line is the specification's cost. `cache_hits(w)` is the number of *leading
@@ -10,7 +10,9 @@
 //! miss); `active_blocks(w)` is the number of distinct in-flight prompt blocks on `w` — by
 //! default with this request's own blocks added (the router computes it, see
 //! [`crate::config::ActiveBlocks`]). `pending_prefill(w)` is the uncached prompt blocks of
-//! requests routed to `w` whose prefill has not finished. Lowest cost wins. A hit `w` holds
+//! requests routed to `w` whose prefill has not finished. `key_load(w)` is 0 but for the first
+//! request of a cache key new to the router ([`crate::cachekey`]): the keys placed on `w`
+//! lately × `cache_key_spread` × the request's blocks. Lowest cost wins. A hit `w` holds
 //! only in an offload tier (CPU memory, disk) counts `offload_hit_credit` (< 1) of a GPU
 //! hit: loading it back is cheaper than recomputing it, not free.
 //!
@@ -97,6 +99,9 @@ pub struct Candidate {
     pub kv_capacity_blocks: Option<u32>,
     /// Stable hash of the worker's id, for tie-breaking (see [`worker_key`]).
     pub worker_key: u64,
+    /// The first request of a new cache key: the blocks it is charged for the keys placed
+    /// on the worker lately ([`crate::cachekey`]); 0 otherwise.
+    pub key_load: u32,
 }
 
 /// What [`rank`] did beyond sorting by cost.
@@ -193,7 +198,8 @@ pub fn rank(
     out.extend(candidates.iter().map(|c| Scored {
         candidate: *c,
         cost: cost_of_hits(weights.overlap, request_blocks, c.effective_hits(offload_hit_credit), c.active_blocks)
-            + weights.prefill_load * f64::from(c.pending_prefill),
+            + weights.prefill_load * f64::from(c.pending_prefill)
+            + f64::from(c.key_load),
         tiebreak: crate::hash::chain_hash(request_key, c.worker_key),
     }));
     out.sort_by(|a, b| {
@@ -281,6 +287,7 @@ mod tests {
             memory_blocks: 0,
             kv_capacity_blocks: None,
             worker_key: worker_key(&slot.to_string()),
+            key_load: 0,
         }
     }
 

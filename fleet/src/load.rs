@@ -123,6 +123,11 @@ pub struct LoadArgs {
     /// Envoy's ring-hash "prefix affinity" baseline); 0 = not sent.
     #[arg(long, default_value_t = 0)]
     pub prefix_hash_blocks: usize,
+    /// Also send OpenAI's `prompt_cache_key` in the body: the request's key (the
+    /// conversation in chat and agentic, the group in shared-prefix), as agent clients do;
+    /// with `--token-header`, also in `x-kvroute-cache-key`.
+    #[arg(long)]
+    pub cache_key: bool,
     /// Shared prefix: each group's prompts arrive together, as one burst (at `--rate`
     /// bursts per second) — many same-prefix requests within one event round trip.
     #[arg(long)]
@@ -327,6 +332,7 @@ pub struct Sender {
     pub model: String,
     pub token_header: bool,
     pub prefix_hash_blocks: usize,
+    pub cache_key: bool,
     pub start: Instant,
     pub timeout: Duration,
 }
@@ -360,13 +366,23 @@ pub async fn send(sender: &Sender, c: &Conversation, max_tokens: usize, key: u64
             .map_err(|e| e.to_string())?;
         tokio::spawn(conn);
         let mut req = hyper::Request::post(c.path()).header("host", target).header("content-type", "application/json");
+        let cache_key = sender.cache_key.then(|| format!("kvroute-load-{key}"));
         if sender.token_header {
             req = req.header("x-prompt-token-ids-b64", kvroute::tokens::encode_base64(planned));
+            // A client that tokenizes itself writes the key's header too (there is no stage
+            // to copy it from the body).
+            if let Some(k) = &cache_key {
+                req = req.header("x-kvroute-cache-key", k.as_str());
+            }
         }
         if sender.prefix_hash_blocks > 0 {
             req = req.header("x-prefix-hash", prefix_hash(planned, sender.prefix_hash_blocks));
         }
-        let payload = c.json(&sender.model, max_tokens).to_string();
+        let mut payload = c.json(&sender.model, max_tokens);
+        if let Some(k) = cache_key {
+            payload["prompt_cache_key"] = json!(k);
+        }
+        let payload = payload.to_string();
         let req = req.body(Full::new(Bytes::from(payload))).map_err(|e| e.to_string())?;
         let resp = tx.send_request(req).await.map_err(|e| e.to_string())?;
         if resp.status() != hyper::StatusCode::OK {
@@ -505,6 +521,7 @@ pub async fn run(args: LoadArgs) -> Result<Value, String> {
         model: args.model.clone(),
         token_header: args.token_header,
         prefix_hash_blocks: args.prefix_hash_blocks,
+        cache_key: args.cache_key,
         start,
         timeout: Duration::from_secs_f64(args.request_timeout_s),
     };
@@ -705,6 +722,7 @@ fn summarize(
         "workload": format!("{:?}", args.workload),
         "sent_as": format!("{:?}", args.form).to_lowercase(),
         "token_header": args.token_header,
+        "cache_key": args.cache_key,
         "requests": samples.len(),
         "failed": samples.len() - ok.len(),
         "duration_s": round2(elapsed),

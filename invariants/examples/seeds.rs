@@ -11,7 +11,7 @@ use kvroute::config::FilterConfig;
 use kvroute::feed::{FeedBlock, FeedWorker, Frame, FrameKind, Op};
 use kvroute::hash::BASE_NAMESPACE;
 use kvroute::index::{publish, SyncIndex};
-use kvroute::layout::{bucket_key, bucket_of, LoadVector, SlotLoad, LOAD_KEY, TABLE_KEY};
+use kvroute::layout::{bucket_key, bucket_of, EpochCount, LoadVector, SlotLoad, LOAD_KEY, TABLE_KEY};
 use kvroute::role::Role;
 use kvroute::router::{Router, TokenSource};
 use kvroute::store::{MemStore, SharedStore};
@@ -85,7 +85,7 @@ fn main() {
     let store = MemStore::new();
     publish(&mut index, &store);
     let load = LoadVector(vec![
-        SlotLoad { active: 3, prefill_epoch: 16, prefill_now: 2, prefill_before: 0 },
+        SlotLoad { active: 3, prefill: EpochCount { epoch: 16, now: 2, before: 0 } },
         SlotLoad::default(),
         SlotLoad { active: 9, ..SlotLoad::default() },
     ]);

@@ -2,15 +2,19 @@
 //! load vector and the buckets, as another VM, the sync service or a corrupted write may
 //! have left them.
 //!
-//! Input: a selector byte (the request's length in blocks, 1–4), `u16` length + table
-//! bytes, `u16` length + load-vector bytes (also stored as the cached-block counts, which
-//! are read on a tie), then one bucket value (stored under every bucket key the request's
-//! blocks map to).
+//! Input: a selector byte (the request's length in blocks, 1–4; bit 2: the request carries
+//! a cache key), `u16` length + table bytes, `u16` length + load-vector bytes (also stored
+//! as the cached-block counts, which are read on a tie, and as the cache keys' counts),
+//! then one bucket value (stored under every bucket key the request's blocks map to, and
+//! as the cache key's bucket).
 //! - each layout that decodes encodes back to itself;
 //! - the router, reading them, names only workers the table has *up*, each once; counts
 //!   no more hits than the request has blocks; and every bucket and load vector it writes
-//!   back decodes again, before and after the request is released.
+//!   back decodes again, before and after the request is released; a cache key's bucket
+//!   that decoded holds at most its limit of entries after the write, the key's among them
+//!   on a worker that is up.
 
+use kvroute::cachekey::{self, key_bucket_key, key_bucket_of, key_hash, KeyLoad, KEYLOAD_KEY, MAX_KEYS_PER_BUCKET};
 use kvroute::config::FilterConfig;
 use kvroute::feed::FeedBlock;
 use kvroute::hash::BASE_NAMESPACE;
@@ -69,12 +73,18 @@ pub fn check(data: &[u8]) {
     for k in &keys {
         put(k, bucket_bytes);
     }
+    let cache_key = (sel & 4 != 0).then(|| key_hash(b"fuzz"));
+    let key_bucket = key_bucket_key(key_bucket_of(key_hash(b"fuzz")));
+    if cache_key.is_some() {
+        put(&key_bucket, bucket_bytes);
+        put(KEYLOAD_KEY, load_bytes);
+    }
 
     let mut router = Router::new(cfg);
     let source =
         TokenSource::Header { value: header.as_bytes(), encoding: TokenEncoding::Decimal, namespace: BASE_NAMESPACE };
     let now_ms = 1_000_000 + u64::from(sel) * 7_919;
-    let d = router.route(&store, source, now_ms, u64::from(sel));
+    let d = router.route_keyed(&store, source, cache_key, now_ms, u64::from(sel));
     let up: BTreeSet<&str> =
         table.iter().flat_map(|t| &t.slots).filter(|s| s.state == SlotState::Up).map(|s| s.id.as_str()).collect();
     let named: BTreeSet<&str> = d.destinations.iter().map(String::as_str).collect();
@@ -84,6 +94,19 @@ pub fn check(data: &[u8]) {
         assert!(up.contains(p.as_str()), "prefill on {p}, up: {up:?}");
     }
     assert!(d.hits <= d.request_blocks && d.offloaded_hits <= d.hits, "{d:?}");
+    if let (Some(hash), Some(t)) = (cache_key, &table) {
+        let written = store.get(&key_bucket).ok().and_then(|(v, _)| v).unwrap_or_default();
+        if cachekey::decode_bucket(bucket_bytes).is_ok() && !d.destinations.is_empty() && d.update_failures == 0 {
+            let entries =
+                cachekey::decode_bucket(&written).unwrap_or_else(|e| panic!("router wrote a bad key bucket: {e}"));
+            assert!(entries.len() <= MAX_KEYS_PER_BUCKET);
+            let e = entries.iter().find(|e| e.hash == hash).unwrap_or_else(|| panic!("the key's entry is missing"));
+            let slot = t.slots.get(usize::from(e.slot)).unwrap_or_else(|| panic!("key on slot {}", e.slot));
+            assert!(up.contains(slot.id.as_str()), "key on {} that is not up", slot.id);
+        }
+        let counts = store.get(KEYLOAD_KEY).ok().and_then(|(v, _)| v).unwrap_or_default();
+        assert_eq!(KeyLoad::decode(&counts).encode(), counts[..(counts.len() / 12).min(MAX_SLOTS) * 12], "key counts");
+    }
     assert_written_layouts_decode(&store, &keys, bucket.is_some());
     router.release(&store, &d.held, now_ms + 5);
     assert_written_layouts_decode(&store, &keys, bucket.is_some());

@@ -312,3 +312,21 @@ fn the_upstream_override_needs_a_host_that_has_it() {
     assert!(e.to_string().contains("destination_via"), "{e}");
     assert!(Filter::configure(native_host(), config, 1).is_ok());
 }
+
+#[test]
+fn a_cache_key_is_read_counted_when_new_and_removed() {
+    const KEY: &str = "x-kvroute-cache-key";
+    let (mut f, p) = fleet_with_prefix("{}");
+    let b64 = encode_base64(&p);
+    for _ in 0..2 {
+        let mut h = TestHeaders::with(&[(B64, &b64), (KEY, "0123456789abcdef")]);
+        let s = f.on_request_headers(&mut h);
+        assert_eq!(h.value(KEY), None);
+        f.on_stream_end(&mut { s });
+    }
+    // Empty: no key.
+    let mut h = TestHeaders::with(&[(B64, &b64), (KEY, "")]);
+    f.on_request_headers(&mut h);
+    f.flush();
+    assert_eq!(f.host().stat("kvroute.new_cache_keys"), Some(1));
+}

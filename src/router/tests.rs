@@ -631,3 +631,93 @@ fn a_held_prefix_spills_by_the_hash_not_the_counts() {
         assert_eq!(d.shared_reads, h.shared_reads, "the counts are not read");
     }
 }
+
+/// An agent's step: the 8-block system prompt all agents share, then its own blocks.
+fn agent_prompt(agent: u32, own_blocks: usize) -> Vec<u32> {
+    let mut p = prompt(9, 8 * 16);
+    p.extend(prompt(100 + agent, own_blocks * 16));
+    p
+}
+
+fn route_keyed(r: &mut Router, store: &MemStore, tokens: &[u32], key: Option<&str>, now: u64) -> Decision {
+    let b64 = encode_base64(tokens);
+    let source = TokenSource::Header { value: b64.as_bytes(), encoding: TokenEncoding::Base64LeU32, namespace: 0 };
+    r.route_keyed(store, source, key.map(|k| crate::cachekey::key_hash(k.as_bytes())), now, 0)
+}
+
+fn key_counts(store: &MemStore, now_ms: u64) -> Vec<u32> {
+    let l = KeyLoad::decode(&store.get(KEYLOAD_KEY).unwrap().0.unwrap_or_default());
+    (0..4).map(|slot| l.get(slot, key_epoch(now_ms, 60_000))).collect()
+}
+
+#[test]
+fn new_cache_keys_that_share_only_a_system_prompt_spread_and_known_keys_stay() {
+    let system = agent_prompt(0, 0);
+    let held = || fleet(4, vec![Op::Store { worker: 2, blocks: feed_blocks(&system) }]);
+    // Without keys, four agents in flight at once all go to the system prompt's holder:
+    // each costs it a block or two.
+    let (store, _) = held();
+    let mut r = Router::new(cfg("{}"));
+    let firsts: Vec<_> = (1..=4).map(|a| route_keyed(&mut r, &store, &agent_prompt(a, 1), None, 0)).collect();
+    assert!(firsts.iter().all(|d| d.destinations[0] == "10.0.0.2:8000" && !d.new_cache_key));
+
+    // With keys, each new one is charged twice its 9 blocks for every key already on a
+    // worker: the first goes to the holder, the next two to idle workers, where the
+    // prompt's 9 blocks of miss, load and prefill cost less than the holder's 18 a key.
+    let (store, _) = held();
+    let mut r = Router::new(cfg("{}"));
+    let key = |a: u32| format!("agent-{a}");
+    let firsts: Vec<_> =
+        (1..=3).map(|a| route_keyed(&mut r, &store, &agent_prompt(a, 1), Some(&key(a)), 1_000)).collect();
+    assert!(firsts.iter().all(|d| d.new_cache_key));
+    assert!(firsts[0].debug_value().contains(";new_key=1"));
+    let on: Vec<&str> = firsts.iter().map(|d| d.destinations[0].as_str()).collect();
+    assert_eq!(on[0], "10.0.0.2:8000");
+    assert!(on[1] != on[0] && on[2] != on[0] && on[1] != on[2], "{on:?}");
+    assert_eq!(key_counts(&store, 1_000).iter().sum::<u32>(), 3);
+    // At spread 1 the holder is charged half as much and takes the second agent too.
+    let (one, _) = held();
+    let mut r1 = Router::new(cfg(r#"{"cache_key_spread": 1}"#));
+    let placed: Vec<_> = (1..=2)
+        .map(|a| route_keyed(&mut r1, &one, &agent_prompt(a, 1), Some(&key(a)), 1_000).destinations[0].clone())
+        .collect();
+    assert_eq!(placed, ["10.0.0.2:8000", "10.0.0.2:8000"]);
+    for d in &firsts {
+        r.release(&store, &d.held, 2_000);
+    }
+
+    // An agent's next step, its history grown, is ranked by the plain cost: it goes back
+    // to its worker, a known key, with no key read beyond its entry.
+    let d = route_keyed(&mut r, &store, &agent_prompt(3, 4), Some(&key(3)), 3_000);
+    assert_eq!((d.destinations[0].as_str(), d.new_cache_key), (on[2], false));
+    assert_eq!(key_counts(&store, 3_000).iter().sum::<u32>(), 3, "a key that stays is not counted again");
+    r.release(&store, &d.held, 3_500);
+
+    // A key not seen for a window is new again.
+    let d = route_keyed(&mut r, &store, &agent_prompt(3, 4), Some(&key(3)), 3_000 + 60_001);
+    assert!(d.new_cache_key);
+}
+
+#[test]
+fn cache_keys_cost_no_reads_when_off_and_bad_key_values_are_counted() {
+    let p = agent_prompt(1, 1);
+    let mut off = Router::new(cfg(r#"{"cache_key_spread": null}"#));
+    let plain = route_keyed(&mut off, &fleet(2, vec![]).0, &p, None, 0).shared_reads;
+    let (store, _) = fleet(2, vec![]);
+    let keyed = route_keyed(&mut off, &store, &p, Some("k"), 0);
+    assert_eq!((keyed.shared_reads, keyed.new_cache_key), (plain, false));
+    assert_eq!(store.get(KEYLOAD_KEY).unwrap().0, None);
+
+    // A key bucket that does not decode: counted, the key taken as new, and the bucket
+    // rewritten with the entry.
+    let mut r = Router::new(cfg("{}"));
+    let hash = crate::cachekey::key_hash(b"k");
+    let bucket = key_bucket_key(key_bucket_of(hash));
+    store.set(&bucket, &[1, 2, 3], None).unwrap();
+    store.set(KEYLOAD_KEY, &[9; 5], None).unwrap();
+    let d = route_keyed(&mut r, &store, &p, Some("k"), 0);
+    assert!(d.new_cache_key && d.layout_errors >= 1 && d.update_failures == 1, "{d:?}");
+    // The unreadable bucket is not overwritten (another writer's entries may be in it).
+    assert_eq!(store.get(&bucket).unwrap().0.unwrap(), vec![1, 2, 3]);
+    assert!(!d.destinations.is_empty(), "the request is routed all the same");
+}

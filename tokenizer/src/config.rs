@@ -67,6 +67,7 @@ struct FileHeaders {
     tokens_decimal: Option<String>,
     lora: Option<String>,
     cache_salt: Option<String>,
+    cache_key: Option<String>,
 }
 
 #[derive(Deserialize, Debug, Default)]
@@ -198,6 +199,7 @@ impl Config {
             tokens_decimal: header_name("tokens_decimal", h.tokens_decimal, d.tokens_decimal)?,
             lora: header_name("lora", h.lora, d.lora)?,
             cache_salt: header_name("cache_salt", h.cache_salt, d.cache_salt)?,
+            cache_key: header_name("cache_key", h.cache_key, d.cache_key)?,
         };
         let mut self_check = f.self_check;
         self_check.extend(cli.self_check.iter().cloned());

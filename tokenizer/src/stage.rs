@@ -34,6 +34,9 @@ pub struct Prompt {
     /// The LoRA adapter `model` names, if it names one.
     pub lora: Option<String>,
     pub cache_salt: Option<String>,
+    /// The request's cache key (OpenAI's `prompt_cache_key`), as the hex of its hash: a
+    /// header value whatever the client's string holds.
+    pub cache_key: Option<String>,
     /// Prompts in the request (a completions batch is routed by its first).
     pub prompts: usize,
 }
@@ -171,11 +174,12 @@ impl Stage {
     pub fn prompt_of(&self, endpoint: Endpoint, req: &Map<String, Value>) -> Result<Prompt, Skip> {
         let (model, lora) = self.resolve(req)?;
         let cache_salt = cache_salt(req)?;
+        let cache_key = cache_key(req)?;
         let (tokens, prompts) = match endpoint {
             Endpoint::Completions => self.completion_tokens(model, req)?,
             Endpoint::ChatCompletions => (self.chat_tokens(model, req)?, 1),
         };
-        Ok(Prompt { tokens, lora, cache_salt, prompts })
+        Ok(Prompt { tokens, lora, cache_salt, cache_key, prompts })
     }
 
     /// `/v1/completions`: the first prompt's token ids, and how many prompts there are.
@@ -334,6 +338,17 @@ fn token_ids(items: &[Value]) -> Result<Vec<u32>, Skip> {
         .collect()
 }
 
+/// OpenAI's `prompt_cache_key`: a non-empty string, at most 1024 bytes.
+fn cache_key(req: &Map<String, Value>) -> Result<Option<String>, Skip> {
+    match req.get("prompt_cache_key") {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) if !s.is_empty() && s.len() <= 1024 => {
+            Ok(Some(format!("{:016x}", kvroute::cachekey::key_hash(s.as_bytes()))))
+        }
+        Some(_) => invalid("prompt_cache_key must be a string of 1..=1024 bytes"),
+    }
+}
+
 /// vLLM's `cache_salt` check: a non-empty string of at most 128 characters without `@`,
 /// `/`, `\` or NUL.
 fn cache_salt(req: &Map<String, Value>) -> Result<Option<String>, Skip> {
@@ -343,5 +358,29 @@ fn cache_salt(req: &Map<String, Value>) -> Result<Option<String>, Skip> {
             Ok(Some(s.clone()))
         }
         Some(_) => invalid("cache_salt must be 1..=128 characters without @ / \\ or NUL"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn req(v: Value) -> Map<String, Value> {
+        match json!({ "prompt_cache_key": v }) {
+            Value::Object(m) => m,
+            _ => unreachable!(),
+        }
+    }
+
+    #[test]
+    fn a_prompt_cache_key_becomes_the_hex_of_its_hash() {
+        let k = cache_key(&req(json!("agent-7"))).unwrap().unwrap();
+        assert_eq!(k, format!("{:016x}", kvroute::cachekey::key_hash(b"agent-7")));
+        assert_eq!(cache_key(&req(Value::Null)).unwrap(), None);
+        assert_eq!(cache_key(&Map::new()).unwrap(), None);
+        for bad in [json!(""), json!(7), json!(["a"]), json!("x".repeat(1025))] {
+            assert!(matches!(cache_key(&req(bad)), Err(Skip::Invalid(_))));
+        }
     }
 }

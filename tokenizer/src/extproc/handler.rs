@@ -32,6 +32,7 @@ pub struct Headers {
     pub tokens_decimal: String,
     pub lora: String,
     pub cache_salt: String,
+    pub cache_key: String,
 }
 
 impl Default for Headers {
@@ -41,6 +42,7 @@ impl Default for Headers {
             tokens_decimal: "x-prompt-token-ids".into(),
             lora: "x-kvroute-lora".into(),
             cache_salt: "x-kvroute-cache-salt".into(),
+            cache_key: "x-kvroute-cache-key".into(),
         }
     }
 }
@@ -97,7 +99,7 @@ impl StreamState {
         let client_has_tokens = header(h, &hd.tokens_b64).is_some() || header(h, &hd.tokens_decimal).is_some();
         let mut mutation = None;
         if !p.trust_client_tokens {
-            let present: Vec<String> = [&hd.tokens_b64, &hd.tokens_decimal, &hd.lora, &hd.cache_salt]
+            let present: Vec<String> = [&hd.tokens_b64, &hd.tokens_decimal, &hd.lora, &hd.cache_salt, &hd.cache_key]
                 .into_iter()
                 .filter(|n| header(h, n).is_some())
                 .cloned()
@@ -177,12 +179,15 @@ async fn on_body(
     };
     p.stats.tokenized(&prompt, started.elapsed());
     let mut set_headers = vec![set(&p.headers.tokens_b64, kvroute::tokens::encode_base64(&prompt.tokens))];
-    let Prompt { lora, cache_salt, .. } = prompt;
+    let Prompt { lora, cache_salt, cache_key, .. } = prompt;
     if let Some(l) = lora {
         set_headers.push(set(&p.headers.lora, l));
     }
     if let Some(s) = cache_salt {
         set_headers.push(set(&p.headers.cache_salt, s));
+    }
+    if let Some(k) = cache_key {
+        set_headers.push(set(&p.headers.cache_key, k));
     }
     ProcessingResponse {
         response: Some(Resp::RequestBody(BodyResponse {

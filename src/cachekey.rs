@@ -1,0 +1,216 @@
+//! Cache keys: the requests a client marks as one cache group (OpenAI's `prompt_cache_key`,
+//! or a header), such as one agent's steps or one conversation's turns.
+//!
+//! A key tells the router what no prompt can: that a request opens a group that will come
+//! back and grow. Without it, a new conversation that shares only a system prompt goes to
+//! the prompt's holder, where it costs a few blocks; thirty agents started together then
+//! pile onto the few engines that hold their instructions and queue behind each other for
+//! every later step (docs/benchmarks.md, "Cache keys"). So the first request of a key the
+//! router has not seen is charged, on each worker, for the keys placed there lately
+//! (`cache_key_spread` × the request's blocks per key): new groups spread over the fleet,
+//! each paying for its shared prefix once per engine. A key's later requests are ranked by
+//! the plain cost, which keeps them where their history is.
+//!
+//! Two shared-data values, both written with compare-and-swap by the filters:
+//! - `kvroute.k.{0..64}`: where each key's requests went last and when
+//!   ([`KeyEntry`], sorted by the key's hash); entries older than the window go on the next
+//!   write, and a full bucket drops its oldest;
+//! - `kvroute.keyload`: per slot, the keys placed there (new, or moved there) in the last
+//!   one to two windows ([`EpochCount`] per slot).
+
+use crate::layout::{bucket_of, EpochCount, LayoutError, Reader};
+use crate::slots::MAX_SLOTS;
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+/// Buckets of key entries. Power of two.
+pub const KEY_BUCKETS: u32 = 64;
+/// Entries a bucket keeps at most: 16384 keys seen within a window over all buckets.
+pub const MAX_KEYS_PER_BUCKET: usize = 256;
+pub const KEYLOAD_KEY: &str = "kvroute.keyload";
+const KEY_BUCKET_PREFIX: &str = "kvroute.k.";
+/// Seeds the key hash apart from block hashes.
+const KEY_SEED: u64 = 0x6b76_726f_7574_656b;
+
+/// Key of key bucket `b`.
+pub fn key_bucket_key(b: u32) -> String {
+    format!("{KEY_BUCKET_PREFIX}{b}")
+}
+
+/// The hash a key is known by.
+pub fn key_hash(key: &[u8]) -> u64 {
+    xxh3_64_with_seed(key, KEY_SEED)
+}
+
+/// The bucket of a key's hash.
+pub fn key_bucket_of(hash: u64) -> u32 {
+    bucket_of(hash, KEY_BUCKETS)
+}
+
+/// Where a key's requests went last, and when.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KeyEntry {
+    pub hash: u64,
+    pub slot: u16,
+    pub seen_ms: u64,
+}
+
+/// `hash u64, slot u16, seen_ms u64`, little-endian.
+const ENTRY: usize = 18;
+
+impl KeyEntry {
+    fn decode(r: &mut Reader<'_>) -> Result<KeyEntry, LayoutError> {
+        Ok(KeyEntry { hash: r.u64("key hash")?, slot: r.u16("key slot")?, seen_ms: r.u64("key seen")? })
+    }
+    fn encode_into(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.hash.to_le_bytes());
+        out.extend_from_slice(&self.slot.to_le_bytes());
+        out.extend_from_slice(&self.seen_ms.to_le_bytes());
+    }
+}
+
+/// A key bucket's entries (an empty value: none).
+pub fn decode_bucket(bytes: &[u8]) -> Result<Vec<KeyEntry>, LayoutError> {
+    if !bytes.len().is_multiple_of(ENTRY) || bytes.len() / ENTRY > MAX_KEYS_PER_BUCKET {
+        return Err(LayoutError("key bucket length"));
+    }
+    let mut r = Reader::new(bytes);
+    (0..bytes.len() / ENTRY).map(|_| KeyEntry::decode(&mut r)).collect()
+}
+
+/// The entry of `hash` in a bucket's value, if any.
+pub fn find(bytes: &[u8], hash: u64) -> Result<Option<KeyEntry>, LayoutError> {
+    Ok(decode_bucket(bytes)?.into_iter().find(|e| e.hash == hash))
+}
+
+/// The bucket with `entry` put in (replacing the key's old one), without the entries last
+/// seen before `keep_from_ms`, and at most [`MAX_KEYS_PER_BUCKET`] (the oldest go).
+pub fn upsert(bytes: &[u8], entry: KeyEntry, keep_from_ms: u64) -> Result<Vec<u8>, LayoutError> {
+    let mut entries = decode_bucket(bytes)?;
+    entries.retain(|e| e.hash != entry.hash && e.seen_ms >= keep_from_ms);
+    if entries.len() >= MAX_KEYS_PER_BUCKET {
+        entries.sort_unstable_by_key(|e| std::cmp::Reverse(e.seen_ms));
+        entries.truncate(MAX_KEYS_PER_BUCKET - 1);
+    }
+    entries.push(entry);
+    entries.sort_unstable_by_key(|e| e.hash);
+    let mut out = Vec::with_capacity(entries.len() * ENTRY);
+    for e in &entries {
+        e.encode_into(&mut out);
+    }
+    Ok(out)
+}
+
+/// Per slot, the keys placed there lately: `n_slots × (u32 epoch, u32 now, u32 before)`
+/// little-endian; missing tail slots count 0.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct KeyLoad(pub Vec<EpochCount>);
+
+const KEYLOAD_SLOT_BYTES: usize = 12;
+
+impl KeyLoad {
+    /// Decodes a value (a trailing partial slot is ignored: the writer's layout is ours).
+    pub fn decode(bytes: &[u8]) -> KeyLoad {
+        KeyLoad(
+            bytes
+                .chunks_exact(KEYLOAD_SLOT_BYTES)
+                .take(MAX_SLOTS)
+                .map(|c| {
+                    let u = |i: usize| u32::from_le_bytes([c[i], c[i + 1], c[i + 2], c[i + 3]]);
+                    EpochCount { epoch: u(0), now: u(4), before: u(8) }
+                })
+                .collect(),
+        )
+    }
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(self.0.len() * KEYLOAD_SLOT_BYTES);
+        for c in &self.0 {
+            for v in [c.epoch, c.now, c.before] {
+                out.extend_from_slice(&v.to_le_bytes());
+            }
+        }
+        out
+    }
+    /// Keys placed on `slot` in the window `epoch` and the one before.
+    pub fn get(&self, slot: usize, epoch: u32) -> u32 {
+        self.0.get(slot).map_or(0, |c| c.get(epoch))
+    }
+    /// One more key placed on `slot` in `epoch`.
+    pub fn add(&mut self, slot: usize, epoch: u32) {
+        if slot >= MAX_SLOTS {
+            return;
+        }
+        if self.0.len() <= slot {
+            self.0.resize(slot + 1, EpochCount::default());
+        }
+        self.0[slot].add(epoch, 1, epoch);
+    }
+}
+
+/// The key-load window of `now_ms`.
+pub fn key_epoch(now_ms: u64, window_ms: u64) -> u32 {
+    (now_ms / window_ms.max(1)) as u32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn e(hash: u64, slot: u16, seen_ms: u64) -> KeyEntry {
+        KeyEntry { hash, slot, seen_ms }
+    }
+
+    #[test]
+    fn upsert_replaces_a_keys_entry_and_drops_the_expired() {
+        let v = upsert(&[], e(7, 1, 1_000), 0).unwrap();
+        let v = upsert(&v, e(3, 2, 2_000), 0).unwrap();
+        assert_eq!(decode_bucket(&v).unwrap(), vec![e(3, 2, 2_000), e(7, 1, 1_000)]);
+        // The key moves; the entry last seen before 1500 goes.
+        let v = upsert(&v, e(3, 4, 5_000), 1_500).unwrap();
+        assert_eq!(decode_bucket(&v).unwrap(), vec![e(3, 4, 5_000)]);
+        assert_eq!(find(&v, 3).unwrap(), Some(e(3, 4, 5_000)));
+        assert_eq!(find(&v, 7).unwrap(), None);
+    }
+
+    #[test]
+    fn a_full_bucket_drops_its_oldest_entry() {
+        let mut v = Vec::new();
+        for i in 0..MAX_KEYS_PER_BUCKET as u64 {
+            v = upsert(&v, e(i, 0, 1_000 + i), 0).unwrap();
+        }
+        let v = upsert(&v, e(999, 1, 9_000), 0).unwrap();
+        let entries = decode_bucket(&v).unwrap();
+        assert_eq!(entries.len(), MAX_KEYS_PER_BUCKET);
+        assert!(entries.iter().all(|x| x.hash != 0), "the oldest (hash 0) went");
+        assert!(entries.windows(2).all(|w| w[0].hash < w[1].hash));
+    }
+
+    #[test]
+    fn bad_bucket_values_are_errors_not_panics() {
+        assert!(decode_bucket(&[1, 2, 3]).is_err());
+        assert!(decode_bucket(&vec![0; ENTRY * (MAX_KEYS_PER_BUCKET + 1)]).is_err());
+        assert!(upsert(&[0; 5], e(1, 0, 0), 0).is_err());
+        assert_eq!(decode_bucket(&[]).unwrap(), vec![]);
+    }
+
+    #[test]
+    fn key_load_counts_the_last_one_to_two_windows() {
+        let mut l = KeyLoad::default();
+        l.add(2, 10);
+        l.add(2, 10);
+        l.add(0, 11);
+        assert_eq!((l.get(2, 10), l.get(2, 11), l.get(2, 12), l.get(0, 11), l.get(1, 11)), (2, 2, 0, 1, 0));
+        assert_eq!(KeyLoad::decode(&l.encode()), l);
+        l.add(MAX_SLOTS, 11);
+        assert_eq!(l.0.len(), 3);
+        assert_eq!(key_epoch(125_000, 60_000), 2);
+        assert_eq!(key_epoch(5, 0), 5, "a zero window is taken as 1 ms, never a division by zero");
+    }
+
+    #[test]
+    fn key_hashes_differ_from_the_key_bytes_and_spread_over_buckets() {
+        let buckets: std::collections::BTreeSet<u32> =
+            (0..1000).map(|i| key_bucket_of(key_hash(format!("agent-{i}").as_bytes()))).collect();
+        assert_eq!(buckets.len(), KEY_BUCKETS as usize);
+        assert_ne!(key_hash(b"a"), key_hash(b"b"));
+    }
+}
