@@ -61,11 +61,13 @@ def caught_up(behind, ahead):
     return all(b.get(w, (None,))[0] is not None and (v[0] is None or b[w][0] >= v[0]) for w, v in a.items())
 
 
-def load(engines, targets, wargs, out, label, sticky=False):
+def load(engines, targets, wargs, out, label, sticky=False, cache_key=False):
     cmd = [str(FLEET), "load", "--target", ",".join(f"127.0.0.1:{t}" for t in targets), "--label", label,
            "--seed", "7", "--json", str(out), "--quiet", "--token-header", *wargs]
     if sticky:
         cmd.append("--sticky")
+    if cache_key:
+        cmd.append("--cache-key")
     for e in engines:
         cmd += ["--engine", e.id]
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
@@ -80,6 +82,9 @@ def main():
     ap.add_argument("--speedup", type=float, default=5.0)
     ap.add_argument("--workloads", default="shared_prefix_70,zipf_hot_70,agentic_70")
     ap.add_argument("--json", help="write results here")
+    ap.add_argument("--cache-key", action="store_true",
+                    help="send each request's cache key (the conversation, the group) in x-kvroute-cache-key, "
+                         "as a client that tokenizes itself would (docs/configuration.md, \"Cache keys\")")
     ap.add_argument("--keep-samples", metavar="DIR",
                     help="keep every request's sample in DIR/samples/<workload>.<line>.json, with DIR/results.json, "
                          "as peers.py --keep-samples does (for benches/session_steps.py)")
@@ -129,7 +134,7 @@ def main():
                 es = envoys(n)
                 label = f"{n}gw" + ("_sticky" if sticky else "")
                 path = out / f"{wname}.{label}.json"
-                load(engines, [lp for _, lp, _ in es], wargs, path, label, sticky).wait()
+                load(engines, [lp for _, lp, _ in es], wargs, path, label, sticky, args.cache_key).wait()
                 for envoy, _, _ in es:
                     procs.stop(envoy)
                 r = json.loads(path.read_text())

@@ -311,7 +311,8 @@ def drive(args, target, label, wname, wargs, engines, out):
         return r, None
     path = out / f"{wname}.{label}.json"
     cmd = [str(FLEET), "load", "--target", target, "--label", label, "--seed", str(args.seed), "--json", str(path), "--quiet",
-           "--send", "text", "--tokenizer", str(TOKENIZER_DIR), "--model", MODEL, *wargs]
+           "--send", "text", "--tokenizer", str(TOKENIZER_DIR), "--model", MODEL, *wargs,
+           *(["--cache-key"] if args.cache_key else [])]
     if args.sim == "fleet":
         # Busy time and cache counters from the engines' own metrics.
         for e in engines:
@@ -356,6 +357,10 @@ def main():
     ap.add_argument("--background-cpu", type=float, default=0.0, metavar="CORES",
                     help="keep a busy loop on this share of one core (0-1) while each line runs: "
                          "what a router's CPU alone would do to the engines' latency")
+    ap.add_argument("--cache-key", action="store_true",
+                    help="send OpenAI's prompt_cache_key with every request (the conversation in chat and the "
+                         "agentic loop, the group in shared-prefix workloads), as agent clients do; every line "
+                         "gets it, and kvroute places new keys apart (docs/benchmarks.md, \"Cache keys\")")
     ap.add_argument("--rotate", type=int, default=0, metavar="N",
                     help="run the lines in their order rotated by N (the first line of a run can be slower "
                          "than the same line later in it: docs/benchmarks.md)")
