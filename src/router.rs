@@ -324,13 +324,15 @@ impl Router {
         let (scan, scanned) = self.scan(store, &hashes, table.n_buckets, scan, now_ms, &mut d);
         let epoch = prefill_epoch(now_ms);
         self.cached = None;
-        let key = cache_key.zip(self.cfg.cache_key_spread).map(|(hash, _)| self.read_key(store, hash, now_ms, &mut d));
-        let window = self.cfg.cache_key_window_ms;
-        let key_charge = key
-            .as_ref()
-            .and_then(|k| k.counts.as_ref())
-            .zip(self.cfg.cache_key_spread)
-            .map(|((counts, _), spread)| (spread * f64::from(d.request_blocks), counts, key_epoch(now_ms, window)));
+        // A cache key: read when keys are on; a new one is charged per key on each worker.
+        let key = match (cache_key, self.cfg.cache_key_spread) {
+            (Some(hash), Some(spread)) => Some((self.read_key(store, hash, now_ms, &mut d), spread)),
+            _ => None,
+        };
+        let window_epoch = key_epoch(now_ms, self.cfg.cache_key_window_ms);
+        let key_charge = key.as_ref().and_then(|(k, spread)| {
+            k.counts.as_ref().map(|(counts, _)| (spread * f64::from(d.request_blocks), counts, window_epoch))
+        });
         d.new_cache_key = key_charge.is_some();
         let request = Request {
             store,
@@ -376,7 +378,7 @@ impl Router {
             if !chosen.contains(&slot) {
                 chosen.push(slot);
             }
-            if let Some(k) = key {
+            if let Some((k, _)) = key {
                 self.record_key(store, k, slot, now_ms, &mut d);
             }
         }
