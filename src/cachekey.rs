@@ -18,8 +18,9 @@
 //! - `kvroute.keyload`: per slot, the keys placed there (new, or moved there) in the last
 //!   one to two windows ([`EpochCount`] per slot).
 
-use crate::layout::{bucket_of, EpochCount, LayoutError, Reader};
-use crate::slots::MAX_SLOTS;
+use crate::layout::{
+    bucket_of, decode_slot_records, encode_slot_records, slot_record, EpochCount, LayoutError, Reader,
+};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 /// Buckets of key entries. Power of two.
@@ -105,30 +106,13 @@ pub fn upsert(bytes: &[u8], entry: KeyEntry, keep_from_ms: u64) -> Result<Vec<u8
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct KeyLoad(pub Vec<EpochCount>);
 
-const KEYLOAD_SLOT_BYTES: usize = 12;
-
 impl KeyLoad {
     /// Decodes a value (a trailing partial slot is ignored: the writer's layout is ours).
     pub fn decode(bytes: &[u8]) -> KeyLoad {
-        KeyLoad(
-            bytes
-                .chunks_exact(KEYLOAD_SLOT_BYTES)
-                .take(MAX_SLOTS)
-                .map(|c| {
-                    let u = |i: usize| u32::from_le_bytes([c[i], c[i + 1], c[i + 2], c[i + 3]]);
-                    EpochCount { epoch: u(0), now: u(4), before: u(8) }
-                })
-                .collect(),
-        )
+        KeyLoad(decode_slot_records(bytes, |[epoch, now, before]| EpochCount { epoch, now, before }))
     }
     pub fn encode(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(self.0.len() * KEYLOAD_SLOT_BYTES);
-        for c in &self.0 {
-            for v in [c.epoch, c.now, c.before] {
-                out.extend_from_slice(&v.to_le_bytes());
-            }
-        }
-        out
+        encode_slot_records(&self.0, |c| [c.epoch, c.now, c.before])
     }
     /// Keys placed on `slot` in the window `epoch` and the one before.
     pub fn get(&self, slot: usize, epoch: u32) -> u32 {
@@ -136,13 +120,9 @@ impl KeyLoad {
     }
     /// One more key placed on `slot` in `epoch`.
     pub fn add(&mut self, slot: usize, epoch: u32) {
-        if slot >= MAX_SLOTS {
-            return;
+        if let Some(c) = slot_record(&mut self.0, slot) {
+            c.add(epoch, 1, epoch);
         }
-        if self.0.len() <= slot {
-            self.0.resize(slot + 1, EpochCount::default());
-        }
-        self.0[slot].add(epoch, 1, epoch);
     }
 }
 
@@ -200,7 +180,7 @@ mod tests {
         l.add(0, 11);
         assert_eq!((l.get(2, 10), l.get(2, 11), l.get(2, 12), l.get(0, 11), l.get(1, 11)), (2, 2, 0, 1, 0));
         assert_eq!(KeyLoad::decode(&l.encode()), l);
-        l.add(MAX_SLOTS, 11);
+        l.add(crate::slots::MAX_SLOTS, 11);
         assert_eq!(l.0.len(), 3);
         assert_eq!(key_epoch(125_000, 60_000), 2);
         assert_eq!(key_epoch(5, 0), 5, "a zero window is taken as 1 ms, never a division by zero");

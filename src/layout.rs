@@ -342,29 +342,44 @@ impl PrefillChange {
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct LoadVector(pub Vec<SlotLoad>);
 
-const SLOT_LOAD_BYTES: usize = 16;
+/// Per-slot records of `N` little-endian `u32`s, at most [`MAX_SLOTS`]; a trailing partial
+/// record is ignored (the writers' layout is ours). The load vector's and the cache keys'
+/// counts.
+pub(crate) fn decode_slot_records<const N: usize, T>(bytes: &[u8], record: impl Fn([u32; N]) -> T) -> Vec<T> {
+    bytes
+        .chunks_exact(4 * N)
+        .take(MAX_SLOTS)
+        .map(|c| {
+            record(std::array::from_fn(|i| u32::from_le_bytes([c[4 * i], c[4 * i + 1], c[4 * i + 2], c[4 * i + 3]])))
+        })
+        .collect()
+}
+
+/// The inverse of [`decode_slot_records`].
+pub(crate) fn encode_slot_records<const N: usize, T>(records: &[T], fields: impl Fn(&T) -> [u32; N]) -> Vec<u8> {
+    records.iter().flat_map(|r| fields(r).into_iter().flat_map(u32::to_le_bytes)).collect()
+}
+
+/// `slot`'s record, the vector grown with empty records up to it; `None` past [`MAX_SLOTS`].
+pub(crate) fn slot_record<T: Default + Clone>(records: &mut Vec<T>, slot: usize) -> Option<&mut T> {
+    if slot >= MAX_SLOTS {
+        return None;
+    }
+    if records.len() <= slot {
+        records.resize(slot + 1, T::default());
+    }
+    records.get_mut(slot)
+}
 
 impl LoadVector {
     pub fn decode(bytes: &[u8]) -> LoadVector {
-        LoadVector(
-            bytes
-                .chunks_exact(SLOT_LOAD_BYTES)
-                .take(MAX_SLOTS)
-                .map(|c| {
-                    let u = |i: usize| u32::from_le_bytes([c[i], c[i + 1], c[i + 2], c[i + 3]]);
-                    SlotLoad { active: u(0), prefill: EpochCount { epoch: u(4), now: u(8), before: u(12) } }
-                })
-                .collect(),
-        )
+        LoadVector(decode_slot_records(bytes, |[active, epoch, now, before]| SlotLoad {
+            active,
+            prefill: EpochCount { epoch, now, before },
+        }))
     }
     pub fn encode(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(self.0.len() * SLOT_LOAD_BYTES);
-        for s in &self.0 {
-            for v in [s.active, s.prefill.epoch, s.prefill.now, s.prefill.before] {
-                out.extend_from_slice(&v.to_le_bytes());
-            }
-        }
-        out
+        encode_slot_records(&self.0, |s| [s.active, s.prefill.epoch, s.prefill.now, s.prefill.before])
     }
     /// `active_blocks` of `slot`.
     pub fn get(&self, slot: usize) -> u32 {
@@ -375,13 +390,7 @@ impl LoadVector {
         self.0.get(slot).map_or(0, |s| s.pending_prefill(epoch))
     }
     fn slot_mut(&mut self, slot: usize) -> Option<&mut SlotLoad> {
-        if slot >= MAX_SLOTS {
-            return None;
-        }
-        if self.0.len() <= slot {
-            self.0.resize(slot + 1, SlotLoad::default());
-        }
-        self.0.get_mut(slot)
+        slot_record(&mut self.0, slot)
     }
     /// Applies signed per-slot changes of `active_blocks`, saturating at 0.
     pub fn apply(&mut self, deltas: &[(usize, i64)]) {
