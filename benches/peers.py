@@ -349,7 +349,8 @@ def main():
     ap.add_argument("--lines", help="comma-separated line names (default: all)")
     ap.add_argument("--kvroute", action="append", default=[], metavar="LABEL=JSON",
                     help='another kvroute line: its label and filter settings, e.g. '
-                         '\'kvroute_w2={"overlap_weight": 2}\' (repeatable; runs unless --lines leaves it out)')
+                         '\'kvroute_w2={"overlap_weight": 2}\' (repeatable; runs unless --lines leaves it out; '
+                         'named like a built-in kvroute line, it replaces that line\'s settings)')
     ap.add_argument("--keep-samples", action="store_true",
                     help="keep every run's per-request samples in <out>/samples/<workload>.<line>.json "
                          "(on the mocker also each engine's requests in flight every second, in results.json)")
@@ -385,7 +386,12 @@ def main():
     wl_args = argparse.Namespace(workers=args.workers, groups=args.groups, per_group=args.per_group,
                                  blocks=args.blocks, speedup=args.speedup, quick=False, workloads=args.workloads,
                                  trace=str(rq.TRACE), trace_requests=2000, mooncake_blocks=8192)
-    lines = LINES + [kvroute_line(spec) for spec in args.kvroute]
+    # A --kvroute line named like a built-in one replaces it (its settings, its place).
+    extra = dict(kvroute_line(spec)[::2] for spec in args.kvroute)
+    if taken := [label for label, kind, _ in LINES if label in extra and kind != "kvroute"]:
+        sys.exit(f"--kvroute {taken[0]}=…: {taken[0]} is a peer's line")
+    lines = [(label, kind, extra.pop(label, how)) for label, kind, how in LINES]
+    lines += [(label, "kvroute", how) for label, how in extra.items()]
     lines = rq.named(lines + REFERENCE_LINES, args.lines, "lines") if args.lines else lines
     lines = lines[args.rotate % len(lines):] + lines[:args.rotate % len(lines)]
     procs = Processes()

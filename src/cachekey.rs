@@ -6,17 +6,22 @@
 //! the prompt's holder, where it costs a few blocks; thirty agents started together then
 //! pile onto the few engines that hold their instructions and queue behind each other for
 //! every later step (docs/benchmarks.md, "Cache keys"). So the first request of a key the
-//! router has not seen is charged, on each worker, for the keys placed there lately
+//! router has not seen is charged, on each worker, for the keys live there
 //! (`cache_key_spread` × the request's blocks per key): new groups spread over the fleet,
 //! each paying for its shared prefix once per engine. A key's later requests are ranked by
-//! the plain cost, which keeps them where their history is.
+//! the plain cost, which keeps them where their history is. A key is live on its worker
+//! for one to two live windows (`cache_key_live_ms`) after its last request, so sessions
+//! that end stop counting; it is remembered (its next request goes by the plain cost) for
+//! `cache_key_window_ms`.
 //!
 //! Two shared-data values, both written with compare-and-swap by the filters:
 //! - `kvroute.k.{0..64}`: where each key's requests went last and when
 //!   ([`KeyEntry`], sorted by the key's hash); entries older than the window go on the next
 //!   write, and a full bucket drops its oldest;
-//! - `kvroute.keyload`: per slot, the keys placed there (new, or moved there) in the last
-//!   one to two windows ([`EpochCount`] per slot).
+//! - `kvroute.keyload`: per slot, the keys whose last request went there in the last one to
+//!   two live windows ([`EpochCount`] per slot): each key is counted once, in the window
+//!   of its last request — a request in a later window, or on another worker, moves the
+//!   key's count there.
 
 use crate::layout::{
     bucket_of, decode_slot_records, encode_slot_records, slot_record, EpochCount, LayoutError, Reader,
@@ -101,7 +106,7 @@ pub fn upsert(bytes: &[u8], entry: KeyEntry, keep_from_ms: u64) -> Result<Vec<u8
     Ok(out)
 }
 
-/// Per slot, the keys placed there lately: `n_slots × (u32 epoch, u32 now, u32 before)`
+/// Per slot, the keys live there: `n_slots × (u32 epoch, u32 now, u32 before)`
 /// little-endian; missing tail slots count 0.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct KeyLoad(pub Vec<EpochCount>);
@@ -114,21 +119,27 @@ impl KeyLoad {
     pub fn encode(&self) -> Vec<u8> {
         encode_slot_records(&self.0, |c| [c.epoch, c.now, c.before])
     }
-    /// Keys placed on `slot` in the window `epoch` and the one before.
+    /// Keys live on `slot` as of live window `epoch`: last seen there in it or the one before.
     pub fn get(&self, slot: usize, epoch: u32) -> u32 {
         self.0.get(slot).map_or(0, |c| c.get(epoch))
     }
-    /// One more key placed on `slot` in `epoch`.
-    pub fn add(&mut self, slot: usize, epoch: u32) {
+    /// A key's last request went to `slot` in live window `epoch`; before, it was counted on
+    /// `was` (slot and window), where it is taken off (nothing, if that window has passed).
+    pub fn seen(&mut self, was: Option<(usize, u32)>, slot: usize, epoch: u32) {
+        if let Some((from, at)) = was {
+            if let Some(c) = slot_record(&mut self.0, from) {
+                c.add(at, -1, epoch);
+            }
+        }
         if let Some(c) = slot_record(&mut self.0, slot) {
             c.add(epoch, 1, epoch);
         }
     }
 }
 
-/// The key-load window of `now_ms`.
-pub fn key_epoch(now_ms: u64, window_ms: u64) -> u32 {
-    (now_ms / window_ms.max(1)) as u32
+/// The live window of `now_ms`.
+pub fn key_epoch(now_ms: u64, live_ms: u64) -> u32 {
+    (now_ms / live_ms.max(1)) as u32
 }
 
 #[cfg(test)]
@@ -173,14 +184,22 @@ mod tests {
     }
 
     #[test]
-    fn key_load_counts_the_last_one_to_two_windows() {
+    fn key_load_counts_each_key_once_in_the_window_of_its_last_request() {
         let mut l = KeyLoad::default();
-        l.add(2, 10);
-        l.add(2, 10);
-        l.add(0, 11);
+        l.seen(None, 2, 10);
+        l.seen(None, 2, 10);
+        l.seen(None, 0, 11);
         assert_eq!((l.get(2, 10), l.get(2, 11), l.get(2, 12), l.get(0, 11), l.get(1, 11)), (2, 2, 0, 1, 0));
         assert_eq!(KeyLoad::decode(&l.encode()), l);
-        l.add(crate::slots::MAX_SLOTS, 11);
+        // One of slot 2's keys is seen again a window later: still one key, now counted
+        // until window 12; the other ends with window 11.
+        l.seen(Some((2, 10)), 2, 11);
+        assert_eq!((l.get(2, 11), l.get(2, 12), l.get(2, 13)), (2, 1, 0));
+        // A key moves from slot 0 to 1; one whose window has passed adds only.
+        l.seen(Some((0, 11)), 1, 11);
+        l.seen(Some((2, 9)), 1, 11);
+        assert_eq!((l.get(0, 11), l.get(1, 11), l.get(2, 11)), (0, 2, 2));
+        l.seen(None, crate::slots::MAX_SLOTS, 11);
         assert_eq!(l.0.len(), 3);
         assert_eq!(key_epoch(125_000, 60_000), 2);
         assert_eq!(key_epoch(5, 0), 5, "a zero window is taken as 1 ms, never a division by zero");

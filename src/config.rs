@@ -146,6 +146,7 @@ struct RawFilterConfig {
     cache_key_header: Option<String>,
     cache_key_spread: Option<f64>,
     cache_key_window_ms: u64,
+    cache_key_live_ms: Option<u64>,
     offload_hit_credit: f64,
     active_blocks: ActiveBlocks,
     prefill_load_weight: f64,
@@ -182,6 +183,7 @@ impl Default for RawFilterConfig {
             cache_key_header: Some("x-kvroute-cache-key".into()),
             cache_key_spread: Some(DEFAULT_CACHE_KEY_SPREAD),
             cache_key_window_ms: 60_000,
+            cache_key_live_ms: None,
             offload_hit_credit: DEFAULT_OFFLOAD_HIT_CREDIT,
             active_blocks: ActiveBlocks::Potential,
             prefill_load_weight: DEFAULT_PREFILL_LOAD_WEIGHT,
@@ -234,12 +236,16 @@ pub struct FilterConfig {
     /// `prompt_cache_key`, which the stage copies here). `None`: not read.
     pub cache_key_header: Option<String>,
     /// What the first request of a cache key new to the router is charged on a worker for
-    /// each key placed there within the window, in the request's blocks
-    /// ([`crate::cachekey`]). `None`: keys are not read.
+    /// each key live there, in the request's blocks ([`crate::cachekey`]). `None`: keys are
+    /// not read.
     pub cache_key_spread: Option<f64>,
-    /// How long a key is remembered after its last request, and the window its placements
-    /// are counted in (the last one to two windows).
+    /// How long a key is remembered after its last request: its next request within this
+    /// goes by the plain cost, to where its history is.
     pub cache_key_window_ms: u64,
+    /// How long a key counts as live on its worker after its last request (one to two of
+    /// these windows). At most `cache_key_window_ms`; by default
+    /// [`DEFAULT_CACHE_KEY_LIVE_MS`] or the window if shorter.
+    pub cache_key_live_ms: u64,
     /// What a cache hit held only in an offload tier (CPU memory, disk) is worth, against 1
     /// for a GPU hit. In 0..=1.
     pub offload_hit_credit: f64,
@@ -286,6 +292,11 @@ pub const DEFAULT_IDLE_WAIT_SLACK_PER_HIT: f64 = 0.45;
 
 /// Chosen by the head-to-head benchmark (docs/benchmarks.md, "Cache keys").
 pub const DEFAULT_CACHE_KEY_SPREAD: f64 = 2.0;
+
+/// Long enough to span an agent's step and its tool call on a real engine (seconds each),
+/// so a working agent keeps counting between its requests; short enough that sessions
+/// that have ended stop counting within half a minute.
+pub const DEFAULT_CACHE_KEY_LIVE_MS: u64 = 10_000;
 
 /// Chosen by the head-to-head benchmark (docs/benchmarks.md): 0.5 and 1 lose the agentic loop.
 pub const DEFAULT_HOLDER_TIE_PER_HIT: f64 = 0.25;
@@ -354,6 +365,11 @@ impl FilterConfig {
         if !(1_000..=86_400_000).contains(&raw.cache_key_window_ms) {
             return Err(bad("cache_key_window_ms", format!("{} is not in 1000..=86400000", raw.cache_key_window_ms)));
         }
+        let cache_key_live_ms = raw.cache_key_live_ms.unwrap_or(DEFAULT_CACHE_KEY_LIVE_MS.min(raw.cache_key_window_ms));
+        if !(100..=raw.cache_key_window_ms).contains(&cache_key_live_ms) {
+            let why = format!("{cache_key_live_ms} is not in 100..=cache_key_window_ms ({})", raw.cache_key_window_ms);
+            return Err(bad("cache_key_live_ms", why));
+        }
         // No two settings may name the same header.
         let named = [
             ("token_header", Some(&token_header)),
@@ -394,6 +410,7 @@ impl FilterConfig {
             cache_key_header,
             cache_key_spread,
             cache_key_window_ms: raw.cache_key_window_ms,
+            cache_key_live_ms,
             offload_hit_credit: match raw.offload_hit_credit {
                 c if (0.0..=1.0).contains(&c) => c,
                 c => return Err(bad("offload_hit_credit", format!("{c} is not in 0..=1"))),
@@ -599,6 +616,9 @@ mod tests {
             (r#"{"cache_key_spread": -1}"#, "cache_key_spread"),
             (r#"{"cache_key_window_ms": 999}"#, "cache_key_window_ms"),
             (r#"{"cache_key_window_ms": 86400001}"#, "cache_key_window_ms"),
+            (r#"{"cache_key_live_ms": 99}"#, "cache_key_live_ms"),
+            (r#"{"cache_key_live_ms": 60001}"#, "cache_key_live_ms"),
+            (r#"{"cache_key_window_ms": 5000, "cache_key_live_ms": 5001}"#, "cache_key_live_ms"),
             (r#"{"cache_key_header": "x-kvroute-cache-salt"}"#, "cache_key_header"),
             (r#"{"cache_key_header": "X-Key"}"#, "cache_key_header"),
             (r#"{"active_blocks": "current"}"#, "unknown variant"),

@@ -217,17 +217,18 @@ struct Request<'a> {
     /// Tie-break key: the first block's hash, or entropy for a request without blocks.
     key: u64,
     epoch: u32,
-    /// A new cache key's charge per key placed on a worker, in blocks, and the counts.
+    /// A new cache key's charge per key live on a worker, in blocks, the counts and the
+    /// live window.
     key_charge: Option<(f64, &'a KeyLoad, u32)>,
 }
 
 /// The request's cache key as read before ranking.
 struct KeyRead {
     hash: u64,
-    /// The key's entry, if seen within the window.
-    entry: Option<KeyEntry>,
+    /// The key's entry, however old.
+    last: Option<KeyEntry>,
     bucket: Option<Versioned>,
-    /// Keys placed per worker, read for a new key only.
+    /// Keys live per worker, read for a key not seen within the window only (a new key).
     counts: Option<(KeyLoad, Option<Versioned>)>,
 }
 
@@ -329,9 +330,9 @@ impl Router {
             (Some(hash), Some(spread)) => Some((self.read_key(store, hash, now_ms, &mut d), spread)),
             _ => None,
         };
-        let window_epoch = key_epoch(now_ms, self.cfg.cache_key_window_ms);
+        let live_epoch = key_epoch(now_ms, self.cfg.cache_key_live_ms);
         let key_charge = key.as_ref().and_then(|(k, spread)| {
-            k.counts.as_ref().map(|(counts, _)| (spread * f64::from(d.request_blocks), counts, window_epoch))
+            k.counts.as_ref().map(|(counts, _)| (spread * f64::from(d.request_blocks), counts, live_epoch))
         });
         d.new_cache_key = key_charge.is_some();
         let request = Request {
@@ -473,31 +474,35 @@ impl Router {
     }
 
     /// The request's cache key: its entry and, for a key not seen within the window, the
-    /// keys placed on each worker. Unreadable values count as layout errors and the key as
+    /// keys live on each worker. Unreadable values count as layout errors and the key as
     /// new.
     fn read_key(&self, store: &dyn SharedStore, hash: u64, now_ms: u64, d: &mut Decision) -> KeyRead {
         d.shared_reads += 1;
         let bucket = store.get(&key_bucket_key(key_bucket_of(hash))).ok();
         let value = bucket.as_ref().and_then(|(v, _)| v.as_deref()).unwrap_or_default();
-        let entry = cachekey::find(value, hash).unwrap_or_else(|_| {
+        let last = cachekey::find(value, hash).unwrap_or_else(|_| {
             d.layout_errors += 1;
             None
         });
-        let entry = entry.filter(|e| now_ms.saturating_sub(e.seen_ms) <= self.cfg.cache_key_window_ms);
-        let counts = entry.is_none().then(|| {
+        let known = last.is_some_and(|e| now_ms.saturating_sub(e.seen_ms) <= self.cfg.cache_key_window_ms);
+        let counts = (!known).then(|| {
             d.shared_reads += 1;
             let read = store.get(KEYLOAD_KEY).ok();
             (KeyLoad::decode(read.as_ref().and_then(|(v, _)| v.as_deref()).unwrap_or_default()), read)
         });
-        KeyRead { hash, entry, bucket, counts }
+        KeyRead { hash, last, bucket, counts }
     }
 
-    /// Records where the key's request went: its entry (when new, moved, or last written a
-    /// quarter window ago) and, for a key new to `slot`, one more key placed there.
+    /// Records where the key's request went: its entry, and its live count moved to `slot`
+    /// and this live window. Written when the slot or the window changed, or the entry is a
+    /// quarter window old (so a known key stays known); most of a key's requests write
+    /// nothing.
     fn record_key(&self, store: &dyn SharedStore, k: KeyRead, slot: u16, now_ms: u64, d: &mut Decision) {
-        let window = self.cfg.cache_key_window_ms;
-        let placed = k.entry.is_none_or(|e| e.slot != slot);
-        if !placed && k.entry.is_some_and(|e| now_ms.saturating_sub(e.seen_ms) < window / 4) {
+        let (window, live) = (self.cfg.cache_key_window_ms, self.cfg.cache_key_live_ms);
+        let epoch = key_epoch(now_ms, live);
+        let was = k.last.map(|e| (usize::from(e.slot), key_epoch(e.seen_ms, live)));
+        let recount = was != Some((usize::from(slot), epoch));
+        if !recount && k.last.is_some_and(|e| now_ms.saturating_sub(e.seen_ms) < window / 4) {
             return;
         }
         let entry = KeyEntry { hash: k.hash, slot, seen_ms: now_ms };
@@ -509,12 +514,11 @@ impl Router {
             d.layout_errors += u32::from(matches!(e, UpdateError::Rejected(_)));
             return;
         }
-        if placed {
-            let epoch = key_epoch(now_ms, window);
+        if recount {
             let first = k.counts.and_then(|(_, read)| read);
             let edit = |v: &[u8]| {
                 let mut counts = KeyLoad::decode(v);
-                counts.add(usize::from(slot), epoch);
+                counts.seen(was, usize::from(slot), epoch);
                 Ok::<_, ()>(Edit::Write(counts.encode(), ()))
             };
             if update(store, KEYLOAD_KEY, first, &mut d.shared_reads, edit).is_err() {
@@ -525,7 +529,7 @@ impl Router {
 
     /// Scores the slots of `set` into `self.scored`, best first. `prefills`: the chosen
     /// worker will compute the request's prefill; `destination`: it is the request's
-    /// destination, where a new cache key is charged for the keys placed there.
+    /// destination, where a new cache key is charged for the keys live there.
     fn rank_set(
         &mut self,
         r: &Request<'_>,

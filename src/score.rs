@@ -11,8 +11,8 @@
 //! default with this request's own blocks added (the router computes it, see
 //! [`crate::config::ActiveBlocks`]). `pending_prefill(w)` is the uncached prompt blocks of
 //! requests routed to `w` whose prefill has not finished. `key_load(w)` is 0 but for the first
-//! request of a cache key new to the router ([`crate::cachekey`]): the keys placed on `w`
-//! lately × `cache_key_spread` × the request's blocks. Lowest cost wins. A hit `w` holds
+//! request of a cache key new to the router ([`crate::cachekey`]): the keys live on `w`
+//! × `cache_key_spread` × the request's blocks. Lowest cost wins. A hit `w` holds
 //! only in an offload tier (CPU memory, disk) counts `offload_hit_credit` (< 1) of a GPU
 //! hit: loading it back is cheaper than recomputing it, not free.
 //!
@@ -99,8 +99,8 @@ pub struct Candidate {
     pub kv_capacity_blocks: Option<u32>,
     /// Stable hash of the worker's id, for tie-breaking (see [`worker_key`]).
     pub worker_key: u64,
-    /// The first request of a new cache key: the blocks it is charged for the keys placed
-    /// on the worker lately ([`crate::cachekey`]); 0 otherwise.
+    /// The first request of a new cache key: the blocks it is charged for the keys live on
+    /// the worker ([`crate::cachekey`]); 0 otherwise.
     pub key_load: u32,
 }
 

@@ -647,7 +647,7 @@ fn route_keyed(r: &mut Router, store: &MemStore, tokens: &[u32], key: Option<&st
 
 fn key_counts(store: &MemStore, now_ms: u64) -> Vec<u32> {
     let l = KeyLoad::decode(&store.get(KEYLOAD_KEY).unwrap().0.unwrap_or_default());
-    (0..4).map(|slot| l.get(slot, key_epoch(now_ms, 60_000))).collect()
+    (0..4).map(|slot| l.get(slot, key_epoch(now_ms, crate::config::DEFAULT_CACHE_KEY_LIVE_MS))).collect()
 }
 
 #[test]
@@ -696,6 +696,34 @@ fn new_cache_keys_that_share_only_a_system_prompt_spread_and_known_keys_stay() {
     // A key not seen for a window is new again.
     let d = route_keyed(&mut r, &store, &agent_prompt(3, 4), Some(&key(3)), 3_000 + 60_001);
     assert!(d.new_cache_key);
+}
+
+#[test]
+fn a_key_counts_while_live_once_and_ended_keys_stop_counting() {
+    let system = agent_prompt(0, 0);
+    let (store, _) = fleet(4, vec![Op::Store { worker: 2, blocks: feed_blocks(&system) }]);
+    let mut r = Router::new(cfg("{}"));
+    // Live windows of 10 s: agent 1 starts at 1 s and steps at 12 s (window 1); agent 2
+    // starts at 1 s and ends there.
+    let a1 = route_keyed(&mut r, &store, &agent_prompt(1, 1), Some("a1"), 1_000);
+    let a2 = route_keyed(&mut r, &store, &agent_prompt(2, 1), Some("a2"), 1_000);
+    r.release(&store, &a1.held, 1_500);
+    r.release(&store, &a2.held, 1_500);
+    let step = route_keyed(&mut r, &store, &agent_prompt(1, 2), Some("a1"), 12_000);
+    assert_eq!((step.destinations[0].as_str(), step.new_cache_key), (a1.destinations[0].as_str(), false));
+    r.release(&store, &step.held, 12_500);
+    // Agent 1 is counted once, in the window of its last step; agent 2 until window 1 ends.
+    assert_eq!(key_counts(&store, 12_000).iter().sum::<u32>(), 2);
+    assert_eq!(key_counts(&store, 21_000).iter().sum::<u32>(), 1);
+    assert_eq!(key_counts(&store, 30_000).iter().sum::<u32>(), 0);
+    // With both ended, a new agent is charged for none: it goes where the system prompt
+    // is, as the first one did; a key still known after its live count ended is no new key.
+    let d = route_keyed(&mut r, &store, &agent_prompt(3, 1), Some("a3"), 30_000);
+    assert_eq!((d.destinations[0].as_str(), d.new_cache_key), ("10.0.0.2:8000", true));
+    let d = route_keyed(&mut r, &store, &agent_prompt(1, 3), Some("a1"), 30_000);
+    assert_eq!((d.destinations[0].as_str(), d.new_cache_key), (a1.destinations[0].as_str(), false));
+    let live = key_counts(&store, 30_000);
+    assert_eq!(live.iter().sum::<u32>(), 2, "{live:?}");
 }
 
 #[test]
