@@ -645,9 +645,13 @@ fn route_keyed(r: &mut Router, store: &MemStore, tokens: &[u32], key: Option<&st
     r.route_keyed(store, source, key.map(|k| crate::cachekey::key_hash(k.as_bytes())), now, 0)
 }
 
-fn key_counts(store: &MemStore, now_ms: u64) -> Vec<u32> {
+fn key_counts_live(store: &MemStore, now_ms: u64, live_ms: u64) -> Vec<u32> {
     let l = KeyLoad::decode(&store.get(KEYLOAD_KEY).unwrap().0.unwrap_or_default());
-    (0..4).map(|slot| l.get(slot, key_epoch(now_ms, crate::config::DEFAULT_CACHE_KEY_LIVE_MS))).collect()
+    (0..4).map(|slot| l.get(slot, key_epoch(now_ms, live_ms))).collect()
+}
+
+fn key_counts(store: &MemStore, now_ms: u64) -> Vec<u32> {
+    key_counts_live(store, now_ms, crate::config::DEFAULT_CACHE_KEY_LIVE_MS)
 }
 
 #[test]
@@ -702,7 +706,7 @@ fn new_cache_keys_that_share_only_a_system_prompt_spread_and_known_keys_stay() {
 fn a_key_counts_while_live_once_and_ended_keys_stop_counting() {
     let system = agent_prompt(0, 0);
     let (store, _) = fleet(4, vec![Op::Store { worker: 2, blocks: feed_blocks(&system) }]);
-    let mut r = Router::new(cfg("{}"));
+    let mut r = Router::new(cfg(r#"{"cache_key_live_ms": 10000}"#));
     // Live windows of 10 s: agent 1 starts at 1 s and steps at 12 s (window 1); agent 2
     // starts at 1 s and ends there.
     let a1 = route_keyed(&mut r, &store, &agent_prompt(1, 1), Some("a1"), 1_000);
@@ -713,16 +717,16 @@ fn a_key_counts_while_live_once_and_ended_keys_stop_counting() {
     assert_eq!((step.destinations[0].as_str(), step.new_cache_key), (a1.destinations[0].as_str(), false));
     r.release(&store, &step.held, 12_500);
     // Agent 1 is counted once, in the window of its last step; agent 2 until window 1 ends.
-    assert_eq!(key_counts(&store, 12_000).iter().sum::<u32>(), 2);
-    assert_eq!(key_counts(&store, 21_000).iter().sum::<u32>(), 1);
-    assert_eq!(key_counts(&store, 30_000).iter().sum::<u32>(), 0);
+    assert_eq!(key_counts_live(&store, 12_000, 10_000).iter().sum::<u32>(), 2);
+    assert_eq!(key_counts_live(&store, 21_000, 10_000).iter().sum::<u32>(), 1);
+    assert_eq!(key_counts_live(&store, 30_000, 10_000).iter().sum::<u32>(), 0);
     // With both ended, a new agent is charged for none: it goes where the system prompt
     // is, as the first one did; a key still known after its live count ended is no new key.
     let d = route_keyed(&mut r, &store, &agent_prompt(3, 1), Some("a3"), 30_000);
     assert_eq!((d.destinations[0].as_str(), d.new_cache_key), ("10.0.0.2:8000", true));
     let d = route_keyed(&mut r, &store, &agent_prompt(1, 3), Some("a1"), 30_000);
     assert_eq!((d.destinations[0].as_str(), d.new_cache_key), (a1.destinations[0].as_str(), false));
-    let live = key_counts(&store, 30_000);
+    let live = key_counts_live(&store, 30_000, 10_000);
     assert_eq!(live.iter().sum::<u32>(), 2, "{live:?}");
 }
 
