@@ -74,18 +74,39 @@ impl KeyEntry {
     }
 }
 
-/// A key bucket's entries (an empty value: none).
-pub fn decode_bucket(bytes: &[u8]) -> Result<Vec<KeyEntry>, LayoutError> {
+/// The number of entries in a key bucket's value, once its length is checked.
+fn entries_in(bytes: &[u8]) -> Result<usize, LayoutError> {
     if !bytes.len().is_multiple_of(ENTRY) || bytes.len() / ENTRY > MAX_KEYS_PER_BUCKET {
         return Err(LayoutError("key bucket length"));
     }
-    let mut r = Reader::new(bytes);
-    (0..bytes.len() / ENTRY).map(|_| KeyEntry::decode(&mut r)).collect()
+    Ok(bytes.len() / ENTRY)
 }
 
-/// The entry of `hash` in a bucket's value, if any.
+/// A key bucket's entries (an empty value: none).
+pub fn decode_bucket(bytes: &[u8]) -> Result<Vec<KeyEntry>, LayoutError> {
+    let mut r = Reader::new(bytes);
+    (0..entries_in(bytes)?).map(|_| KeyEntry::decode(&mut r)).collect()
+}
+
+/// The entry of `hash` in a bucket's value, if any: a binary search over the entries in
+/// place (they are sorted by hash), one entry decoded. In a bucket not sorted, as no
+/// writer of ours leaves one, a key may be missed: it is then taken as new, and the write
+/// that follows sorts the bucket.
 pub fn find(bytes: &[u8], hash: u64) -> Result<Option<KeyEntry>, LayoutError> {
-    Ok(decode_bucket(bytes)?.into_iter().find(|e| e.hash == hash))
+    let n = entries_in(bytes)?;
+    let hash_at = |i: usize| crate::layout::le_u64(&bytes[i * ENTRY..i * ENTRY + 8]);
+    let (mut lo, mut hi) = (0, n);
+    while lo < hi {
+        let mid = lo + (hi - lo) / 2;
+        match hash_at(mid).cmp(&hash) {
+            std::cmp::Ordering::Less => lo = mid + 1,
+            std::cmp::Ordering::Greater => hi = mid,
+            std::cmp::Ordering::Equal => {
+                return KeyEntry::decode(&mut Reader::new(&bytes[mid * ENTRY..(mid + 1) * ENTRY])).map(Some);
+            }
+        }
+    }
+    Ok(None)
 }
 
 /// The bucket with `entry` put in (replacing the key's old one), without the entries last
@@ -160,6 +181,21 @@ mod tests {
         assert_eq!(decode_bucket(&v).unwrap(), vec![e(3, 4, 5_000)]);
         assert_eq!(find(&v, 3).unwrap(), Some(e(3, 4, 5_000)));
         assert_eq!(find(&v, 7).unwrap(), None);
+    }
+
+    #[test]
+    fn find_searches_a_sorted_bucket_as_decoding_it_would() {
+        let mut v = Vec::new();
+        for i in 0..200u64 {
+            v = upsert(&v, e(i.wrapping_mul(0x9e37_79b9_7f4a_7c15), (i % 7) as u16, i), 0).unwrap();
+        }
+        let all = decode_bucket(&v).unwrap();
+        for x in &all {
+            assert_eq!(find(&v, x.hash).unwrap(), Some(*x));
+        }
+        assert_eq!(find(&v, 12345).unwrap(), None);
+        assert_eq!(find(&[], 1).unwrap(), None);
+        assert!(find(&[0; ENTRY + 1], 1).is_err());
     }
 
     #[test]
