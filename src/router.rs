@@ -225,8 +225,6 @@ struct Request<'a> {
 /// The request's cache key as read before ranking.
 struct KeyRead {
     hash: u64,
-    /// The key's entry, however old.
-    last: Option<KeyEntry>,
     bucket: Option<Versioned>,
     /// Keys live per worker, read for a key not seen within the window only (a new key).
     counts: Option<(KeyLoad, Option<Versioned>)>,
@@ -480,50 +478,58 @@ impl Router {
         d.shared_reads += 1;
         let bucket = store.get(&key_bucket_key(key_bucket_of(hash))).ok();
         let value = bucket.as_ref().and_then(|(v, _)| v.as_deref()).unwrap_or_default();
-        let last = cachekey::find(value, hash).unwrap_or_else(|_| {
+        let entry = cachekey::find(value, hash).unwrap_or_else(|_| {
             d.layout_errors += 1;
             None
         });
-        let known = last.is_some_and(|e| now_ms.saturating_sub(e.seen_ms) <= self.cfg.cache_key_window_ms);
+        let known = entry.is_some_and(|e| now_ms.saturating_sub(e.seen_ms) <= self.cfg.cache_key_window_ms);
         let counts = (!known).then(|| {
             d.shared_reads += 1;
             let read = store.get(KEYLOAD_KEY).ok();
             (KeyLoad::decode(read.as_ref().and_then(|(v, _)| v.as_deref()).unwrap_or_default()), read)
         });
-        KeyRead { hash, last, bucket, counts }
+        KeyRead { hash, bucket, counts }
     }
 
     /// Records where the key's request went: its entry, and its live count moved to `slot`
     /// and this live window. Written when the slot or the window changed, or the entry is a
     /// quarter window old (so a known key stays known); most of a key's requests write
-    /// nothing.
+    /// nothing. Where the key was counted is read from the bucket the write replaces, so
+    /// two requests of one key racing to move it move its count once.
     fn record_key(&self, store: &dyn SharedStore, k: KeyRead, slot: u16, now_ms: u64, d: &mut Decision) {
         let (window, live) = (self.cfg.cache_key_window_ms, self.cfg.cache_key_live_ms);
         let epoch = key_epoch(now_ms, live);
-        let was = k.last.map(|e| (usize::from(e.slot), key_epoch(e.seen_ms, live)));
-        let recount = was != Some((usize::from(slot), epoch));
-        if !recount && k.last.is_some_and(|e| now_ms.saturating_sub(e.seen_ms) < window / 4) {
-            return;
-        }
         let entry = KeyEntry { hash: k.hash, slot, seen_ms: now_ms };
         let keep_from = now_ms.saturating_sub(window);
-        let edit = |v: &[u8]| cachekey::upsert(v, entry, keep_from).map(|new| Edit::Write(new, ()));
-        let key = key_bucket_key(key_bucket_of(k.hash));
-        if let Err(e) = update(store, &key, k.bucket, &mut d.shared_reads, edit) {
-            d.update_failures += 1;
-            d.layout_errors += u32::from(matches!(e, UpdateError::Rejected(_)));
-            return;
-        }
-        if recount {
-            let first = k.counts.and_then(|(_, read)| read);
-            let edit = |v: &[u8]| {
-                let mut counts = KeyLoad::decode(v);
-                counts.seen(was, usize::from(slot), epoch);
-                Ok::<_, ()>(Edit::Write(counts.encode(), ()))
-            };
-            if update(store, KEYLOAD_KEY, first, &mut d.shared_reads, edit).is_err() {
-                d.update_failures += 1;
+        // `Some(was)`: the count moves from `was` (slot and window; none for a key not in
+        // the bucket) to here.
+        let edit = |v: &[u8]| {
+            let last = cachekey::find(v, k.hash)?;
+            let was = last.map(|e| (usize::from(e.slot), key_epoch(e.seen_ms, live)));
+            let recount = was != Some((usize::from(slot), epoch));
+            if !recount && last.is_some_and(|e| now_ms.saturating_sub(e.seen_ms) < window / 4) {
+                return Ok(Edit::Keep(None));
             }
+            cachekey::upsert(v, entry, keep_from).map(|new| Edit::Write(new, recount.then_some(was)))
+        };
+        let key = key_bucket_key(key_bucket_of(k.hash));
+        let was = match update(store, &key, k.bucket, &mut d.shared_reads, edit) {
+            Ok(Some(was)) => was,
+            Ok(None) => return,
+            Err(e) => {
+                d.update_failures += 1;
+                d.layout_errors += u32::from(matches!(e, UpdateError::Rejected(_)));
+                return;
+            }
+        };
+        let first = k.counts.and_then(|(_, read)| read);
+        let edit = |v: &[u8]| {
+            let mut counts = KeyLoad::decode(v);
+            counts.seen(was, usize::from(slot), epoch);
+            Ok::<_, ()>(Edit::Write(counts.encode(), ()))
+        };
+        if update(store, KEYLOAD_KEY, first, &mut d.shared_reads, edit).is_err() {
+            d.update_failures += 1;
         }
     }
 
