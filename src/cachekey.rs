@@ -14,14 +14,28 @@
 //! that end stop counting; it is remembered (its next request goes by the plain cost) for
 //! `cache_key_window_ms`.
 //!
-//! Two shared-data values, both written with compare-and-swap by the filters:
+//! Implicit keys, for requests without one (`implicit_cache_keys`): a request cannot say
+//! it opens a conversation, but the fleet shows which shared prefixes conversations grow
+//! from. A request's *anchor* is the deepest prefix other requests have in flight on one
+//! worker (a system prompt shared by agents at work); a request whose hits run past its
+//! anchor there is a later step of a conversation that started at the anchor, and marks
+//! the anchor conversational. A request that leaves a conversational anchor (or runs past
+//! it) gets the implicit key [`implicit_key`] of its first block past it, and is placed as
+//! a keyed request: new conversations apart, later steps by the plain cost. Requests that
+//! only share a prefix and end there (siblings over one document, a burst) never mark it,
+//! so they are placed as before.
+//!
+//! Shared-data values, all written with compare-and-swap by the filters:
 //! - `kvroute.k.{0..64}`: where each key's requests went last and when
 //!   ([`KeyEntry`], sorted by the key's hash); entries older than the window go on the next
 //!   write, and a full bucket drops its oldest;
 //! - `kvroute.keyload`: per slot, the keys whose last request went there in the last one to
 //!   two live windows ([`EpochCount`] per slot): each key is counted once, in the window
 //!   of its last request — a request in a later window, or on another worker, moves the
-//!   key's count there.
+//!   key's count there;
+//! - `kvroute.anchors`: the conversational anchors (the prefix's last block hash) and when
+//!   one was last seen continued, in a key bucket's layout; those not seen within the
+//!   window go on the next write.
 
 use crate::layout::{
     bucket_of, decode_slot_records, encode_slot_records, slot_record, EpochCount, LayoutError, Reader,
@@ -33,9 +47,13 @@ pub const KEY_BUCKETS: u32 = 64;
 /// Entries a bucket keeps at most: 16384 keys seen within a window over all buckets.
 pub const MAX_KEYS_PER_BUCKET: usize = 256;
 pub const KEYLOAD_KEY: &str = "kvroute.keyload";
+/// The conversational anchors ([`implicit_key`]): a key bucket's layout, slot unused.
+pub const ANCHORS_KEY: &str = "kvroute.anchors";
 const KEY_BUCKET_PREFIX: &str = "kvroute.k.";
 /// Seeds the key hash apart from block hashes.
 const KEY_SEED: u64 = 0x6b76_726f_7574_656b;
+/// Seeds implicit keys apart from clients' keys.
+const IMPLICIT_SEED: u64 = 0x696d_706c_6963_6974;
 
 /// Key of key bucket `b`.
 pub fn key_bucket_key(b: u32) -> String {
@@ -45,6 +63,13 @@ pub fn key_bucket_key(b: u32) -> String {
 /// The hash a key is known by.
 pub fn key_hash(key: &[u8]) -> u64 {
     xxh3_64_with_seed(key, KEY_SEED)
+}
+
+/// The implicit key of a request without one that leaves a conversational anchor: its
+/// first block past the anchor, which every later step of the same conversation repeats
+/// (block hashes chain their prefix, so it names the anchor too).
+pub fn implicit_key(first_own_block: u64) -> u64 {
+    xxh3_64_with_seed(&first_own_block.to_le_bytes(), IMPLICIT_SEED)
 }
 
 /// The bucket of a key's hash.

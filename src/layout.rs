@@ -614,6 +614,23 @@ impl<'a> Bucket<'a> {
         (live, flying)
     }
 
+    /// The slots of `among` where two or more streams have `hash` in flight.
+    pub fn fly_shared(&self, hash: u64, now_ms: u64, among: &SlotSet) -> SlotSet {
+        let mut shared = SlotSet::EMPTY;
+        let mut i = self.fly_lower_bound(hash);
+        while i < self.n_fly {
+            let e = self.fly_entry(i);
+            if e.hash != hash {
+                break;
+            }
+            if e.refs >= 2 && e.live(now_ms) && among.contains(usize::from(e.slot)) {
+                shared.insert(usize::from(e.slot));
+            }
+            i += 1;
+        }
+        shared
+    }
+
     /// The slots of `among` that hold `hash` only in an offload tier: in the index's
     /// offloaded mask and (when `with_fly`) not in flight or predicted there — a block
     /// routed to a worker is being loaded into its GPU.

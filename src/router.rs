@@ -5,7 +5,7 @@
 //! decoding, hashing, the bucket scan, scoring, in-flight accounting — happens here, with
 //! time and the tie-break seed passed in.
 
-use crate::cachekey::{self, key_bucket_key, key_bucket_of, key_epoch, KeyEntry, KeyLoad, KEYLOAD_KEY};
+use crate::cachekey::{self, key_bucket_key, key_bucket_of, key_epoch, KeyEntry, KeyLoad, ANCHORS_KEY, KEYLOAD_KEY};
 use crate::config::{ActiveBlocks, FilterConfig, KvCapacity, Mode, TieBreak};
 use crate::hash::{block_hashes_le, segments};
 use crate::inflight::{self, ActiveDelta, Change};
@@ -121,6 +121,9 @@ pub struct Decision {
     pub least_cached: bool,
     /// The request's cache key was new to the router: placed apart from other keys.
     pub new_cache_key: bool,
+    /// The request had no cache key and was given an implicit one
+    /// ([`cachekey::implicit_key`]): it left or continued a conversational anchor.
+    pub implicit_cache_key: bool,
 }
 
 impl Decision {
@@ -131,7 +134,7 @@ impl Decision {
         self.least_cached |= r.least_cached;
     }
 
-    /// `worker=…;hits=…;blocks=…;cost=…[;offloaded=…][;prefill=…][;spilled=1][;memory=1][;holder=1][;least_cached=1][;new_key=1][;fallback=…]`
+    /// `worker=…;hits=…;blocks=…;cost=…[;offloaded=…][;prefill=…][;spilled=1][;memory=1][;holder=1][;least_cached=1][;new_key=1][;implicit_key=1][;fallback=…]`
     /// for the debug response header.
     pub fn debug_value(&self) -> String {
         let mut s = String::new();
@@ -157,6 +160,9 @@ impl Decision {
         }
         if self.new_cache_key {
             s.push_str(";new_key=1");
+        }
+        if self.implicit_cache_key {
+            s.push_str(";implicit_key=1");
         }
         if let Some(f) = self.fallback {
             let _ = write!(s, ";fallback={}", f.name());
@@ -323,9 +329,20 @@ impl Router {
         let (scan, scanned) = self.scan(store, &hashes, table.n_buckets, scan, now_ms, &mut d);
         let epoch = prefill_epoch(now_ms);
         self.cached = None;
-        // A cache key: read when keys are on; a new one is charged per key on each worker.
+        // A cache key: read when keys are on; a new one is charged per key on each worker,
+        // but for an implicit key found continuing its conversation (its first step went
+        // unkeyed, before the anchor was known: it stays by the plain cost).
+        let implicit = match (cache_key, self.cfg.cache_key_spread) {
+            (None, Some(_)) if self.cfg.implicit_cache_keys => self.implicit_key(store, &hashes, &scan, &scanned, now_ms, &mut d),
+            _ => None,
+        };
+        d.implicit_cache_key = implicit.is_some();
+        let (cache_key, charge_if_new) = match implicit {
+            Some((hash, continues)) => (Some(hash), !continues),
+            None => (cache_key, true),
+        };
         let key = match (cache_key, self.cfg.cache_key_spread) {
-            (Some(hash), Some(spread)) => Some((self.read_key(store, hash, now_ms, &mut d), spread)),
+            (Some(hash), Some(spread)) => Some((self.read_key(store, hash, charge_if_new, now_ms, &mut d), spread)),
             _ => None,
         };
         let live_epoch = key_epoch(now_ms, self.cfg.cache_key_live_ms);
@@ -471,10 +488,67 @@ impl Router {
         (scan, scanned)
     }
 
+    /// The implicit key of a request without one ([`cachekey`], "Implicit keys"), and
+    /// whether the request continues its conversation (its hits run past the anchor);
+    /// `None` if it has no anchor or the anchor is not conversational. A continuation marks
+    /// its anchor with (16 bits of) its implicit key; one by another conversation confirms
+    /// it, and only a confirmed anchor is conversational: a request whose own previous step
+    /// is still in flight (its stream not yet released) sees that step as its anchor, and
+    /// no other conversation continues it.
+    fn implicit_key(
+        &self,
+        store: &dyn SharedStore,
+        hashes: &[u64],
+        scan: &Scan,
+        scanned: &[ScannedBucket],
+        now_ms: u64,
+        d: &mut Decision,
+    ) -> Option<(u64, bool)> {
+        const CONFIRMED: u16 = u16::MAX;
+        // The anchor: the deepest prefix two or more streams have in flight on one worker
+        // (one stream may be this conversation's previous step, not yet released).
+        let depth = shared_in_flight(hashes, scanned, scan, now_ms);
+        if depth == 0 || depth >= hashes.len() {
+            return None;
+        }
+        let (anchor, key) = (hashes[depth - 1], cachekey::implicit_key(hashes[depth]));
+        // A later step: some worker holds more than the anchor (its history), and not the
+        // whole request (a repeated prompt is no conversation).
+        let continues = scan.hits.iter().any(|&h| (depth + 1..hashes.len()).contains(&(h as usize)));
+        let window = self.cfg.cache_key_window_ms;
+        d.shared_reads += 1;
+        let read = store.get(ANCHORS_KEY).ok();
+        let value = read.as_ref().and_then(|(v, _)| v.as_deref()).unwrap_or_default();
+        let marked = cachekey::find(value, anchor)
+            .unwrap_or_else(|_| {
+                d.layout_errors += 1;
+                None
+            })
+            .filter(|e| now_ms.saturating_sub(e.seen_ms) <= window);
+        if !continues {
+            return marked.is_some_and(|e| e.slot == CONFIRMED).then_some((key, false));
+        }
+        let mine = (key as u16).min(CONFIRMED - 1);
+        let mark = match marked {
+            Some(e) if e.slot == CONFIRMED || e.slot != mine => CONFIRMED,
+            _ => mine,
+        };
+        if marked.is_none_or(|e| e.slot != mark || now_ms.saturating_sub(e.seen_ms) >= window / 4) {
+            let entry = KeyEntry { hash: anchor, slot: mark, seen_ms: now_ms };
+            let keep_from = now_ms.saturating_sub(window);
+            let edit = |v: &[u8]| cachekey::upsert(v, entry, keep_from).map(|new| Edit::Write(new, ()));
+            if let Err(e) = update(store, ANCHORS_KEY, read, &mut d.shared_reads, edit) {
+                d.update_failures += 1;
+                d.layout_errors += u32::from(matches!(e, UpdateError::Rejected(_)));
+            }
+        }
+        (mark == CONFIRMED).then_some((key, true))
+    }
+
     /// The request's cache key: its entry and, for a key not seen within the window, the
     /// keys live on each worker. Unreadable values count as layout errors and the key as
     /// new.
-    fn read_key(&self, store: &dyn SharedStore, hash: u64, now_ms: u64, d: &mut Decision) -> KeyRead {
+    fn read_key(&self, store: &dyn SharedStore, hash: u64, charge_if_new: bool, now_ms: u64, d: &mut Decision) -> KeyRead {
         d.shared_reads += 1;
         let bucket = store.get(&key_bucket_key(key_bucket_of(hash))).ok();
         let value = bucket.as_ref().and_then(|(v, _)| v.as_deref()).unwrap_or_default();
@@ -483,7 +557,7 @@ impl Router {
             None
         });
         let known = entry.is_some_and(|e| now_ms.saturating_sub(e.seen_ms) <= self.cfg.cache_key_window_ms);
-        let counts = (!known).then(|| {
+        let counts = (!known && charge_if_new).then(|| {
             d.shared_reads += 1;
             let read = store.get(KEYLOAD_KEY).ok();
             (KeyLoad::decode(read.as_ref().and_then(|(v, _)| v.as_deref()).unwrap_or_default()), read)
@@ -719,6 +793,28 @@ impl Router {
         }
         failures
     }
+}
+
+/// How many leading blocks of the request two or more streams have in flight on one
+/// worker, from the buckets the scan read (within the blocks `scan` found in flight).
+fn shared_in_flight(hashes: &[u64], scanned: &[ScannedBucket], scan: &Scan, now_ms: u64) -> usize {
+    let mut running = SlotSet::EMPTY;
+    for (slot, &n) in scan.in_flight.iter().enumerate() {
+        if n > 0 {
+            running.insert(slot);
+        }
+    }
+    for (seg, read) in segments(hashes.len()).zip(scanned) {
+        // A bucket that did not parse was counted by the scan.
+        let bucket = read.value.as_deref().and_then(|v| Bucket::parse(v).ok()).unwrap_or(Bucket::EMPTY);
+        for i in seg {
+            running = bucket.fly_shared(hashes[i], now_ms, &running);
+            if running.is_empty() {
+                return i;
+            }
+        }
+    }
+    hashes.len()
 }
 
 /// The request's own prefill work on `slot`: its blocks the worker neither holds nor has in

@@ -8,7 +8,7 @@
 //! `retry_interval_ms`, backing off. With no good answer for `stale_after_ms` the table
 //! says the index is not live and the filters route by load.
 
-use crate::cachekey::{key_bucket_key, KEYLOAD_KEY, KEY_BUCKETS};
+use crate::cachekey::{key_bucket_key, ANCHORS_KEY, KEYLOAD_KEY, KEY_BUCKETS};
 use crate::config::{ConfigError, SyncConfig};
 use crate::feed::{poll_path, Frame, FrameKind};
 use crate::host::{Counter, FeedClient, Gauge, Host, PollRequest};
@@ -111,7 +111,7 @@ impl<H: Host + FeedClient> SyncService<H> {
         }
         // Create every key now, so later compare-and-swap writes always have a token to
         // compare (the host treats a missing key's CAS as unconditional).
-        let keys = (0..cfg.n_buckets).map(bucket_key).chain([LOAD_KEY.to_string(), KEYLOAD_KEY.to_string()]);
+        let keys = (0..cfg.n_buckets).map(bucket_key).chain([LOAD_KEY, KEYLOAD_KEY, ANCHORS_KEY].map(String::from));
         for key in keys.chain((0..KEY_BUCKETS).map(key_bucket_key)) {
             if matches!(store.get(&key), Ok((None, _))) {
                 let _ = store.set(&key, &[], None);

@@ -731,6 +731,49 @@ fn a_key_counts_while_live_once_and_ended_keys_stop_counting() {
 }
 
 #[test]
+fn a_shared_prefix_seen_continued_gives_new_conversations_implicit_keys() {
+    let system = agent_prompt(0, 0);
+    let (store, _) = fleet(4, vec![Op::Store { worker: 2, blocks: feed_blocks(&system) }]);
+    let mut r = Router::new(cfg(r#"{"implicit_cache_keys": true}"#));
+    // Three agents start while nothing shows the prompt grows conversations: all go to its
+    // holder, unkeyed.
+    let a1 = route_keyed(&mut r, &store, &agent_prompt(1, 1), None, 0);
+    let a2 = route_keyed(&mut r, &store, &agent_prompt(2, 1), None, 10);
+    let a3 = route_keyed(&mut r, &store, &agent_prompt(3, 1), None, 12);
+    for d in [&a1, &a2, &a3] {
+        assert_eq!((d.destinations[0].as_str(), d.implicit_cache_key), ("10.0.0.2:8000", false));
+    }
+    // Agent 1's next step, while the others have the prompt in flight there: its hits run
+    // past the prompt (its own first step, predicted), which marks the prompt; one
+    // conversation's continuation is not enough (it may be its own step still in flight).
+    r.release(&store, &a1.held, 15);
+    let s1 = route_keyed(&mut r, &store, &agent_prompt(1, 2), None, 20);
+    assert_eq!((s1.destinations[0].as_str(), s1.implicit_cache_key), ("10.0.0.2:8000", false));
+    // Agent 2's continues it too: the prompt is confirmed, the step gets its implicit key
+    // without a charge and stays with its history.
+    r.release(&store, &a2.held, 21);
+    let s2 = route_keyed(&mut r, &store, &agent_prompt(2, 2), None, 22);
+    assert_eq!((s2.destinations[0].as_str(), s2.implicit_cache_key, s2.new_cache_key), ("10.0.0.2:8000", true, false));
+    assert!(s2.debug_value().contains(";implicit_key=1"));
+    // A new agent leaves the confirmed prompt: a new implicit key, charged for agent 2's on
+    // the holder, goes to an idle worker.
+    let a4 = route_keyed(&mut r, &store, &agent_prompt(4, 1), None, 30);
+    assert!(a4.implicit_cache_key && a4.new_cache_key, "{a4:?}");
+    assert_ne!(a4.destinations[0], "10.0.0.2:8000");
+    // Off, or with a request that repeats a whole cached prompt, nothing is derived.
+    let mut off = Router::new(cfg(r#"{"implicit_cache_keys": false}"#));
+    assert!(!route_keyed(&mut off, &store, &agent_prompt(5, 1), None, 40).implicit_cache_key);
+    let (store, _) = fleet(4, vec![Op::Store { worker: 2, blocks: feed_blocks(&system) }]);
+    let mut r = Router::new(cfg(r#"{"implicit_cache_keys": true}"#));
+    let first = route_keyed(&mut r, &store, &agent_prompt(5, 1), None, 0);
+    let _sibling = route_keyed(&mut r, &store, &agent_prompt(6, 1), None, 10);
+    r.release(&store, &first.held, 15);
+    let again = route_keyed(&mut r, &store, &agent_prompt(5, 1), None, 20);
+    assert!(!again.implicit_cache_key, "a repeated prompt marks nothing");
+    assert_eq!(store.get(ANCHORS_KEY).unwrap().0.unwrap_or_default(), Vec::<u8>::new());
+}
+
+#[test]
 fn cache_keys_cost_no_reads_when_off_and_bad_key_values_are_counted() {
     let p = agent_prompt(1, 1);
     let mut off = Router::new(cfg(r#"{"cache_key_spread": null}"#));
