@@ -92,10 +92,10 @@ def main():
                     help="more filter settings for every Envoy, as a JSON object (e.g. '{\"implicit_cache_keys\": true}')")
     args = ap.parse_args()
     try:
-        settings = json.loads(args.kvroute)
+        filter_settings = json.loads(args.kvroute)
     except json.JSONDecodeError as e:
         sys.exit(f"--kvroute: {e}")
-    if not isinstance(settings, dict):
+    if not isinstance(filter_settings, dict):
         sys.exit("--kvroute: want a JSON object of filter settings")
     # routing_quality's workload table reads these.
     args.quick, args.trace, args.mooncake_blocks, args.trace_requests = False, "", 8192, 2000
@@ -122,7 +122,7 @@ def main():
         def envoys(n):
             es = []
             for sc in sidecars[:n]:
-                cfg, lp, adm = render_config(engines, sc.port, {"block_size": 16, **settings},
+                cfg, lp, adm = render_config(engines, sc.port, {"block_size": 16, **filter_settings},
                                              sync_config={"poll_timeout_ms": 5000, "stale_after_ms": 15000})
                 es.append((procs.add(Envoy(cfg, lp, adm, concurrency=2)), lp, sc))
             for envoy, _, sc in es:
