@@ -333,7 +333,9 @@ impl Router {
         // but for an implicit key found continuing its conversation (its first step went
         // unkeyed, before the anchor was known: it stays by the plain cost).
         let implicit = match (cache_key, self.cfg.cache_key_spread) {
-            (None, Some(_)) if self.cfg.implicit_cache_keys => self.implicit_key(store, &hashes, &scan, &scanned, now_ms, &mut d),
+            (None, Some(_)) if self.cfg.implicit_cache_keys => {
+                self.implicit_key(store, &hashes, &scan, &scanned, now_ms, &mut d)
+            }
             _ => None,
         };
         d.implicit_cache_key = implicit.is_some();
@@ -548,7 +550,14 @@ impl Router {
     /// The request's cache key: its entry and, for a key not seen within the window, the
     /// keys live on each worker. Unreadable values count as layout errors and the key as
     /// new.
-    fn read_key(&self, store: &dyn SharedStore, hash: u64, charge_if_new: bool, now_ms: u64, d: &mut Decision) -> KeyRead {
+    fn read_key(
+        &self,
+        store: &dyn SharedStore,
+        hash: u64,
+        charge_if_new: bool,
+        now_ms: u64,
+        d: &mut Decision,
+    ) -> KeyRead {
         d.shared_reads += 1;
         let bucket = store.get(&key_bucket_key(key_bucket_of(hash))).ok();
         let value = bucket.as_ref().and_then(|(v, _)| v.as_deref()).unwrap_or_default();
