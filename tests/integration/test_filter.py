@@ -325,6 +325,41 @@ def test_the_holder_tie_keeps_a_prefix_on_its_busy_holder(setup, tie):
         assert (d["worker"], d["hits"], d.get("holder")) == (s.workers[1].id, "0", None), d
 
 
+def test_agents_without_a_key_get_implicit_keys_once_their_prompt_is_seen_continued(setup):
+    """Agents that send no cache key share a 32-block system prompt on worker 0. Two start
+    and stay in flight there; each one's next step runs past the prompt (its own first
+    step, in flight), which marks the prompt, and the second confirms it: both steps take
+    implicit keys without a charge and stay. A third agent then leaves the confirmed
+    prompt with a new implicit key, charged for the two on worker 0: it goes elsewhere."""
+    s = setup(n_workers=3)
+    system = tokens(31, 32 * 16)
+    s.state.store(s.workers[0].id, system)
+    s.wait_synced()
+
+    def agent(a, own_blocks):
+        return system + tokens(40 + a, own_blocks * 16)
+
+    firsts = [threading.Thread(target=s.envoy.request, kwargs={"headers": {
+        "x-prompt-token-ids-b64": b64(agent(a, 2)), "x-test-delay-ms": "4000"}}) for a in (1, 2)]
+    for t in firsts:
+        t.start()
+    wait_for(lambda: _active(s).get(_stat_id(s.workers[0]), 0) >= 32 + 2 * 2, what="two agents in flight on worker 0")
+    steps = []
+    for a in (1, 2):
+        _, h, body = s.envoy.request(headers={"x-prompt-token-ids-b64": b64(agent(a, 2) + tokens(50 + a, 32))})
+        steps.append((served_by(s, body), debug(h)))
+    assert [w for w, _ in steps] == [s.workers[0]] * 2, steps
+    assert "implicit_key" not in steps[0][1], "one conversation's continuation only marks the prompt"
+    assert steps[1][1].get("implicit_key") == "1" and "new_key" not in steps[1][1], steps[1][1]
+    _, h, body = s.envoy.request(headers={"x-prompt-token-ids-b64": b64(agent(3, 2))})
+    d = debug(h)
+    assert (d.get("implicit_key"), d.get("new_key")) == ("1", "1"), d
+    assert served_by(s, body) is not s.workers[0]
+    for t in firsts:
+        t.join()
+    wait_for(lambda: s.envoy.stat("kvroute.new_cache_keys") == 1, what="one new (implicit) key counted")
+
+
 @pytest.mark.parametrize("tie_break", ["least_cached", "hash"])
 def test_a_cold_prompt_goes_to_the_idle_worker_holding_the_fewest_blocks(setup, tie_break):
     """Four idle workers hold 30, 20, 0 and 10 blocks of other prefixes. A prompt none of
