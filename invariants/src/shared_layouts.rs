@@ -6,15 +6,17 @@
 //! a cache key), `u16` length + table bytes, `u16` length + load-vector bytes (also stored
 //! as the cached-block counts, which are read on a tie, and as the cache keys' counts),
 //! then one bucket value (stored under every bucket key the request's blocks map to, and
-//! as the cache key's bucket).
+//! as the cache key's bucket, or without a key as the implicit keys' anchors).
 //! - each layout that decodes encodes back to itself;
 //! - the router, reading them, names only workers the table has *up*, each once; counts
 //!   no more hits than the request has blocks; and every bucket and load vector it writes
 //!   back decodes again, before and after the request is released; a cache key's bucket
 //!   that decoded holds at most its limit of entries after the write, the key's among them
-//!   on a worker that is up.
+//!   on a worker that is up; anchors that decoded still decode after the write.
 
-use kvroute::cachekey::{self, key_bucket_key, key_bucket_of, key_hash, KeyLoad, KEYLOAD_KEY, MAX_KEYS_PER_BUCKET};
+use kvroute::cachekey::{
+    self, key_bucket_key, key_bucket_of, key_hash, KeyLoad, ANCHORS_KEY, KEYLOAD_KEY, MAX_KEYS_PER_BUCKET,
+};
 use kvroute::config::FilterConfig;
 use kvroute::feed::FeedBlock;
 use kvroute::hash::BASE_NAMESPACE;
@@ -78,6 +80,8 @@ pub fn check(data: &[u8]) {
     if cache_key.is_some() {
         put(&key_bucket, bucket_bytes);
         put(KEYLOAD_KEY, load_bytes);
+    } else {
+        put(ANCHORS_KEY, bucket_bytes);
     }
 
     let mut router = Router::new(cfg);
@@ -106,6 +110,11 @@ pub fn check(data: &[u8]) {
         }
         let counts = store.get(KEYLOAD_KEY).ok().and_then(|(v, _)| v).unwrap_or_default();
         assert_eq!(KeyLoad::decode(&counts).encode(), counts[..(counts.len() / 12).min(MAX_SLOTS) * 12], "key counts");
+    }
+    if cache_key.is_none() && cachekey::decode_bucket(bucket_bytes).is_ok() {
+        let written = store.get(ANCHORS_KEY).ok().and_then(|(v, _)| v).unwrap_or_default();
+        let anchors = cachekey::decode_bucket(&written).unwrap_or_else(|e| panic!("router wrote bad anchors: {e}"));
+        assert!(anchors.len() <= MAX_KEYS_PER_BUCKET);
     }
     assert_written_layouts_decode(&store, &keys, bucket.is_some());
     router.release(&store, &d.held, now_ms + 5);
