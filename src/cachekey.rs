@@ -38,7 +38,8 @@
 //!   window go on the next write.
 
 use crate::layout::{
-    bucket_of, decode_slot_records, encode_slot_records, slot_record, EpochCount, LayoutError, Reader,
+    bucket_of, decode_slot_records, encode_slot_records, le_u64, lower_bound, slot_record, EpochCount, LayoutError,
+    Reader,
 };
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
@@ -119,19 +120,13 @@ pub fn decode_bucket(bytes: &[u8]) -> Result<Vec<KeyEntry>, LayoutError> {
 /// that follows sorts the bucket.
 pub fn find(bytes: &[u8], hash: u64) -> Result<Option<KeyEntry>, LayoutError> {
     let n = entries_in(bytes)?;
-    let hash_at = |i: usize| crate::layout::le_u64(&bytes[i * ENTRY..i * ENTRY + 8]);
-    let (mut lo, mut hi) = (0, n);
-    while lo < hi {
-        let mid = lo + (hi - lo) / 2;
-        match hash_at(mid).cmp(&hash) {
-            std::cmp::Ordering::Less => lo = mid + 1,
-            std::cmp::Ordering::Greater => hi = mid,
-            std::cmp::Ordering::Equal => {
-                return KeyEntry::decode(&mut Reader::new(&bytes[mid * ENTRY..(mid + 1) * ENTRY])).map(Some);
-            }
+    let hash_at = |i: usize| le_u64(&bytes[i * ENTRY..i * ENTRY + 8]);
+    match lower_bound(0, n, |i| hash_at(i) < hash) {
+        i if i < n && hash_at(i) == hash => {
+            KeyEntry::decode(&mut Reader::new(&bytes[i * ENTRY..(i + 1) * ENTRY])).map(Some)
         }
+        _ => Ok(None),
     }
-    Ok(None)
 }
 
 /// The bucket with `entry` put in (replacing the key's old one), without the entries last

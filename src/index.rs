@@ -7,8 +7,8 @@
 
 use crate::feed::{Frame, FrameKind, Op};
 use crate::layout::{
-    bucket_key, bucket_of, encode_bucket, Bucket, CachedBlocks, FlyEntry, IndexPart, SlotState, WorkerSlot,
-    WorkerTable, CACHED_KEY, FLY_ENTRY, TABLE_KEY,
+    bucket_key, bucket_of, encode_bucket, lower_bound, Bucket, CachedBlocks, FlyEntry, IndexPart, SlotState,
+    WorkerSlot, WorkerTable, CACHED_KEY, FLY_ENTRY, TABLE_KEY,
 };
 use crate::slots::MAX_SLOTS;
 use crate::store::{update, Edit, SharedStore};
@@ -478,15 +478,7 @@ impl SyncIndex {
         let (mw, stride) = (self.mask_words, self.stride());
         let entries = &mut self.buckets[b as usize];
         let n = entries.len() / stride;
-        let (mut lo, mut hi) = (0, n);
-        while lo < hi {
-            let mid = (lo + hi) / 2;
-            if entries[mid * stride] < hash {
-                lo = mid + 1;
-            } else {
-                hi = mid;
-            }
-        }
+        let lo = lower_bound(0, n, |i| entries[i * stride] < hash);
         let found = lo < n && entries[lo * stride] == hash;
         if !found {
             if hold == Hold::None {

@@ -15,7 +15,7 @@
 //! These functions rewrite the raw in-flight part of one bucket value; the caller
 //! (`router`) does the compare-and-swap and applies the returned change to the load.
 
-use crate::layout::{FlyEntry, FLY_ENTRY};
+use crate::layout::{gallop, FlyEntry, FLY_ENTRY};
 
 /// Change of `active_blocks` per slot from one edit.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -133,21 +133,7 @@ pub fn apply(
     for &Key { hash, slot, count } in keys {
         // First entry at or after (hash, slot), galloping forward from `pos`: keys are
         // sorted, so the next one is usually close.
-        let (mut lo, mut hi) = (pos, pos);
-        let mut step = 1;
-        while hi < n && key_at(hi) < (hash, slot) {
-            lo = hi + 1;
-            hi = (hi + step).min(n);
-            step *= 2;
-        }
-        while lo < hi {
-            let mid = (lo + hi) / 2;
-            if key_at(mid) < (hash, slot) {
-                lo = mid + 1;
-            } else {
-                hi = mid;
-            }
-        }
+        let lo = gallop(pos, n, |i| key_at(i) < (hash, slot));
         out.extend_from_slice(&old[pos * FLY_ENTRY..lo * FLY_ENTRY]);
         pos = lo;
         let existing = if lo < n && key_at(lo) == (hash, slot) {

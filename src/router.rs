@@ -518,15 +518,8 @@ impl Router {
         // whole request (a repeated prompt is no conversation).
         let continues = scan.hits.iter().any(|&h| (depth + 1..hashes.len()).contains(&(h as usize)));
         let window = self.cfg.cache_key_window_ms;
-        d.shared_reads += 1;
-        let read = store.get(ANCHORS_KEY).ok();
-        let value = read.as_ref().and_then(|(v, _)| v.as_deref()).unwrap_or_default();
-        let marked = cachekey::find(value, anchor)
-            .unwrap_or_else(|_| {
-                d.layout_errors += 1;
-                None
-            })
-            .filter(|e| now_ms.saturating_sub(e.seen_ms) <= window);
+        let (marked, read) = read_entry(store, ANCHORS_KEY, anchor, d);
+        let marked = marked.filter(|e| now_ms.saturating_sub(e.seen_ms) <= window);
         if !continues {
             return marked.is_some_and(|e| e.slot == CONFIRMED).then_some((key, false));
         }
@@ -558,13 +551,7 @@ impl Router {
         now_ms: u64,
         d: &mut Decision,
     ) -> KeyRead {
-        d.shared_reads += 1;
-        let bucket = store.get(&key_bucket_key(key_bucket_of(hash))).ok();
-        let value = bucket.as_ref().and_then(|(v, _)| v.as_deref()).unwrap_or_default();
-        let entry = cachekey::find(value, hash).unwrap_or_else(|_| {
-            d.layout_errors += 1;
-            None
-        });
+        let (entry, bucket) = read_entry(store, &key_bucket_key(key_bucket_of(hash)), hash, d);
         let known = entry.is_some_and(|e| now_ms.saturating_sub(e.seen_ms) <= self.cfg.cache_key_window_ms);
         let counts = (!known && charge_if_new).then(|| {
             d.shared_reads += 1;
@@ -802,6 +789,24 @@ impl Router {
         }
         failures
     }
+}
+
+/// A key bucket's value as read (for the write that may follow) and the entry of `hash` in
+/// it; a value that does not decode counts as a layout error and holds no entry.
+fn read_entry(
+    store: &dyn SharedStore,
+    key: &str,
+    hash: u64,
+    d: &mut Decision,
+) -> (Option<KeyEntry>, Option<Versioned>) {
+    d.shared_reads += 1;
+    let read = store.get(key).ok();
+    let value = read.as_ref().and_then(|(v, _)| v.as_deref()).unwrap_or_default();
+    let entry = cachekey::find(value, hash).unwrap_or_else(|_| {
+        d.layout_errors += 1;
+        None
+    });
+    (entry, read)
 }
 
 /// How many leading blocks of the request two or more streams have in flight on one

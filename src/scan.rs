@@ -10,7 +10,7 @@
 //! With more than 64 candidates, or a short segment, the per-block binary-search path is
 //! used.
 
-use crate::layout::{le_u64, Bucket, FLY_ENTRY};
+use crate::layout::{gallop, le_u64, Bucket, FLY_ENTRY};
 use crate::slots::{SlotSet, MAX_SLOTS};
 
 /// Below this many blocks the sorted scan's setup costs more than the binary searches it
@@ -217,27 +217,6 @@ pub fn scan_segment(bucket: &Bucket<'_>, hashes: &[u64], start: usize, now_ms: u
     scan.holding = set_of(running);
     scan.carrying = set_of(carrying);
     scan.indexed = set_of(indexed);
-}
-
-/// First index in `from..n` where `before(index)` is false, for a `before` that is true on
-/// a prefix: gallops forward, then bisects.
-fn gallop(from: usize, n: usize, before: impl Fn(usize) -> bool) -> usize {
-    let (mut lo, mut hi) = (from, from);
-    let mut step = 1;
-    while hi < n && before(hi) {
-        lo = hi + 1;
-        hi = (hi + step).min(n);
-        step *= 2;
-    }
-    while lo < hi {
-        let mid = (lo + hi) / 2;
-        if before(mid) {
-            lo = mid + 1;
-        } else {
-            hi = mid;
-        }
-    }
-    lo
 }
 
 /// The plain path: one lookup per block, in position order: one search of the index and
