@@ -7,7 +7,8 @@ Path measured: pyzmq PUB → kvroute-sidecar (decode, index, change log) → lon
 Envoy's sync service (apply, write shared data) → the filter's next routing decision.
 With --transport nats, the sidecar reads a NATS JetStream stream (Debian's nats-server)
 that one `kvroute-sidecar relay` (all 16 engines, as one per host would) fills from the
-publishers: pyzmq PUB → relay → nats-server → sidecar → ... The CPU of the event path
+publishers: pyzmq PUB → relay → nats-server → sidecar → ... (`nats`: the stream in files,
+the default; `nats-memory`: `nats_storage = "memory"`). The CPU of the event path
 (sidecar; plus relay and nats-server) gives stored blocks per CPU-second.
 
 Each probe publishes one new block on one worker's stream, then sends requests carrying
@@ -19,7 +20,7 @@ Background: each publisher sends batches of one BlockStored of 64 new blocks plu
 BlockRemoved of an older chain (an engine at capacity, storing and evicting), paced to
 --rate stored blocks per second in all.
 
-    python3 benches/sidecar_freshness.py [--rate 100000] [--probes 300] [--transport zmq,nats]
+    python3 benches/sidecar_freshness.py [--rate 100000] [--probes 300] [--transport zmq,nats,nats-memory]
                                          [--json out.json]
 """
 import argparse
@@ -90,11 +91,16 @@ def main():
     ap.add_argument("--transport", default="zmq,nats", help="comma-separated, run in this order")
     ap.add_argument("--json", help="write results here")
     args = ap.parse_args()
-    results = {t: run(t, args) for t in args.transport.split(",")}
-    if "zmq" in results and "nats" in results:
-        results["nats_over_zmq_p99"] = round(results["nats"]["p99_ms"] / results["zmq"]["p99_ms"], 2)
-        results["nats_over_zmq_blocks_per_cpu_s"] = round(
-            results["nats"]["blocks_per_cpu_s"] / results["zmq"]["blocks_per_cpu_s"], 2)
+    transports = args.transport.split(",")
+    if any(t not in ("zmq", "nats", "nats-memory") for t in transports):
+        sys.exit("--transport: each of zmq, nats, nats-memory")
+    results = {t: run(t, args) for t in transports}
+    for t in ("nats", "nats-memory"):
+        if "zmq" in results and t in results:
+            name = t.replace("-", "_")
+            results[f"{name}_over_zmq_p99"] = round(results[t]["p99_ms"] / results["zmq"]["p99_ms"], 2)
+            results[f"{name}_over_zmq_blocks_per_cpu_s"] = round(
+                results[t]["blocks_per_cpu_s"] / results["zmq"]["blocks_per_cpu_s"], 2)
     print(json.dumps(results, indent=1))
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
@@ -112,12 +118,15 @@ def run(transport, args):
         specs.append((f"127.0.0.1:{w.port}", ev, rp, "both"))
     path = []  # the event path's processes, for their CPU
     nats = None
-    if transport == "nats":
+    if transport in ("nats", "nats-memory"):
+        storage = "memory" if transport == "nats-memory" else "file"
         nats = Nats()
         relay = Relay(nats.url, specs[0][0], specs[0][1], specs[0][2],
-                      extra=[a for sp in specs[1:] for a in ("--worker", f"{sp[0]}={sp[1]},replay={sp[2]}")])
+                      extra=[a for sp in specs[1:] for a in ("--worker", f"{sp[0]}={sp[1]},replay={sp[2]}")]
+                      + ["--nats-storage", storage])
         path += [relay, nats]
-        sidecar = Sidecar(specs, extra={"health_path": "", "kv_event_transport": "nats", "nats_url": nats.url})
+        sidecar = Sidecar(specs, extra={"health_path": "", "kv_event_transport": "nats", "nats_url": nats.url,
+                                        "nats_storage": storage})
     else:
         sidecar = Sidecar(specs, extra={"health_path": ""})
     path.insert(0, sidecar)

@@ -87,16 +87,18 @@ class Nats(Service):
         self.proc.wait()
         self.log.close()
 
-    def stream_info(self, name="KVROUTE_EVENTS"):
-        """The stream's state from the monitoring endpoint: {'messages', 'bytes', ...}."""
+    def stream_info(self, name="KVROUTE_EVENTS", part="state"):
+        """The stream's state from the monitoring endpoint: {'messages', 'bytes', ...}
+        (part="config": its configuration, {'storage', 'subjects', ...})."""
         import json
         import urllib.request
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.monitor_port}/jsz?streams=true", timeout=5) as r:
+        url = f"http://127.0.0.1:{self.monitor_port}/jsz?streams=true&config=true"
+        with urllib.request.urlopen(url, timeout=5) as r:
             jsz = json.load(r)
         for account in jsz.get("account_details", []):
             for stream in account.get("stream_detail", []):
                 if stream["name"] == name:
-                    return stream["state"]
+                    return stream[part]
         return None
 
 

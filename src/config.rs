@@ -157,6 +157,7 @@ struct RawFilterConfig {
     holder_tie_load_slack: Option<f64>,
     kv_capacity_blocks: Option<KvCapacity>,
     tie_break: TieBreak,
+    peer_load: bool,
 }
 
 impl Default for RawFilterConfig {
@@ -195,6 +196,7 @@ impl Default for RawFilterConfig {
             holder_tie_load_slack: None,
             kv_capacity_blocks: Some(KvCapacity::Learned),
             tie_break: TieBreak::LeastCached,
+            peer_load: false,
         }
     }
 }
@@ -278,6 +280,11 @@ pub struct FilterConfig {
     /// default.
     pub kv_capacity_blocks: KvCapacity,
     pub tie_break: TieBreak,
+    /// Add the other gateway replicas' load (`crate::peerload`) to this gateway's when
+    /// ranking: their in-flight blocks on each worker less the request's cache hits there
+    /// (what a peer has in flight on a holder is mostly the prefix the request shares,
+    /// which the engine holds once), and their outstanding prefill.
+    pub peer_load: bool,
 }
 
 /// Loading a block back from CPU memory is several times cheaper than recomputing it but
@@ -436,6 +443,7 @@ impl FilterConfig {
             holder_tie_load_slack,
             kv_capacity_blocks: raw.kv_capacity_blocks.unwrap_or(KvCapacity::Off),
             tie_break: raw.tie_break,
+            peer_load: raw.peer_load,
         })
     }
 
@@ -459,6 +467,9 @@ struct RawSyncConfig {
     stale_after_ms: u64,
     n_buckets: u32,
     max_frame_bytes: usize,
+    load_report_interval_ms: u64,
+    load_path: String,
+    gateway_id: Option<String>,
 }
 
 impl Default for RawSyncConfig {
@@ -472,9 +483,15 @@ impl Default for RawSyncConfig {
             stale_after_ms: 15_000,
             n_buckets: DEFAULT_BUCKETS,
             max_frame_bytes: 64 << 20,
+            load_report_interval_ms: DEFAULT_LOAD_REPORT_INTERVAL_MS,
+            load_path: "/v1/load".into(),
+            gateway_id: None,
         }
     }
 }
+
+/// How often the sync service reports its gateway's load and reads the other gateways'.
+pub const DEFAULT_LOAD_REPORT_INTERVAL_MS: u64 = 100;
 
 /// The sync service's configuration (`root_id` `kvroute-sync`).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -494,6 +511,12 @@ pub struct SyncConfig {
     pub n_buckets: u32,
     /// Largest feed response accepted; a larger one is an error, counted.
     pub max_frame_bytes: usize,
+    /// Load shared between gateway replicas (`crate::peerload`): how often this gateway's
+    /// load is reported to the sidecar, whose answer is the other gateways' (0: never).
+    pub load_report_interval_ms: u64,
+    pub load_path: String,
+    /// This gateway's name in the reports (`None`: a random one, drawn at start).
+    pub gateway_id: Option<String>,
 }
 
 impl SyncConfig {
@@ -523,6 +546,18 @@ impl SyncConfig {
         if raw.max_frame_bytes < 4096 {
             return Err(bad("max_frame_bytes", "must be at least 4096"));
         }
+        if raw.load_report_interval_ms != 0 && !(100..=10_000).contains(&raw.load_report_interval_ms) {
+            return Err(bad("load_report_interval_ms", "must be 0 (off) or in 100..=10000"));
+        }
+        if !raw.load_path.starts_with('/') || raw.load_path.contains('?') {
+            return Err(bad("load_path", "must be an absolute path without a query"));
+        }
+        if let Some(id) = &raw.gateway_id {
+            let printable = id.bytes().all(|b| b.is_ascii_graphic());
+            if id.is_empty() || id.len() > crate::peerload::MAX_GATEWAY_ID || !printable {
+                return Err(bad("gateway_id", "must be 1 to 128 printable ASCII characters without spaces"));
+            }
+        }
         Ok(SyncConfig {
             feed_cluster: raw.feed_cluster,
             feed_authority: raw.feed_authority,
@@ -532,6 +567,9 @@ impl SyncConfig {
             stale_after_ms: raw.stale_after_ms,
             n_buckets: raw.n_buckets,
             max_frame_bytes: raw.max_frame_bytes,
+            load_report_interval_ms: raw.load_report_interval_ms,
+            load_path: raw.load_path,
+            gateway_id: raw.gateway_id,
         })
     }
 }
@@ -558,6 +596,7 @@ mod tests {
         assert_eq!((off.lora_header, off.cache_salt_header), (None, None));
         assert_eq!(c.wait_slack_per_hit, Some(DEFAULT_WAIT_SLACK_PER_HIT));
         assert_eq!(c.tie_break, TieBreak::LeastCached);
+        assert!(!c.peer_load && FilterConfig::from_json(br#"{"peer_load": true}"#).unwrap().peer_load);
         let hash = FilterConfig::from_json(br#"{"tie_break": "hash"}"#).unwrap();
         assert_eq!(hash.tie_break, TieBreak::Hash);
         assert!(FilterConfig::from_json(br#"{"tie_break": "random"}"#).is_err());
@@ -584,6 +623,9 @@ mod tests {
         assert_eq!(native.destination_via, DestinationVia::UpstreamOverride);
         let s = SyncConfig::from_json(b" ").unwrap();
         assert_eq!(s.n_buckets, crate::layout::DEFAULT_BUCKETS);
+        assert_eq!((s.load_report_interval_ms, s.load_path.as_str(), s.gateway_id), (100, "/v1/load", None));
+        let off = SyncConfig::from_json(br#"{"load_report_interval_ms": 0, "gateway_id": "gw-a"}"#).unwrap();
+        assert_eq!((off.load_report_interval_ms, off.gateway_id.as_deref()), (0, Some("gw-a")));
     }
 
     #[test]
@@ -649,6 +691,12 @@ mod tests {
             (r#"{"feed_path": "v1/kv/feed"}"#, "feed_path"),
             (r#"{"stale_after_ms": 100}"#, "stale_after_ms"),
             (r#"{"feed": 1}"#, "unknown field"),
+            (r#"{"load_report_interval_ms": 50}"#, "load_report_interval_ms"),
+            (r#"{"load_report_interval_ms": 10001}"#, "load_report_interval_ms"),
+            (r#"{"load_path": "v1/load"}"#, "load_path"),
+            (r#"{"load_path": "/v1/load?x=1"}"#, "load_path"),
+            (r#"{"gateway_id": ""}"#, "gateway_id"),
+            (r#"{"gateway_id": "two words"}"#, "gateway_id"),
         ];
         for (json, needle) in sync_cases {
             let e = SyncConfig::from_json(json.as_bytes()).unwrap_err();

@@ -65,20 +65,26 @@ pub trait RequestHeaders {
     fn remove(&mut self, name: &str);
 }
 
-/// One long poll of the sidecar's feed (`GET`, `accept: application/x-kvroute-feed`).
+/// One call to the sidecar: a long poll of its feed (`GET`), or a load report (`POST`).
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct PollRequest<'a> {
+pub struct SidecarCall<'a> {
     /// The Envoy cluster that reaches the sidecar.
     pub cluster: &'a str,
     pub authority: &'a str,
+    /// `GET` or `POST`.
+    pub method: &'a str,
     pub path: &'a str,
+    /// The answer's media type (the `accept` header).
+    pub accept: &'a str,
+    /// A `POST`'s body, sent as `application/json`.
+    pub body: Option<&'a [u8]>,
     pub timeout: Duration,
 }
 
-/// The poll driver: sends a poll and later hands its answer to
-/// [`crate::sync::SyncService::on_poll_response`] with the token returned here.
+/// The call driver: sends a call and later hands its answer to
+/// [`crate::sync::SyncService::on_response`] with the token returned here.
 pub trait FeedClient {
-    fn dispatch_poll(&self, request: &PollRequest<'_>) -> Result<u64, String>;
+    fn dispatch(&self, call: &SidecarCall<'_>) -> Result<u64, String>;
 }
 
 /// A counter, or nothing if the host refused to define it.
@@ -157,10 +163,14 @@ pub(crate) mod testing {
         pub stat_calls: Cell<u64>,
         /// Names the host refuses to define.
         pub refused_stats: Vec<String>,
-        /// Every poll sent: cluster, authority, path, timeout.
+        /// Every feed poll (`GET`) sent: cluster, authority, path, timeout.
         pub polls: RefCell<Vec<(String, String, String, Duration)>>,
         /// The next poll's outcome: a token, or the host's refusal.
         pub poll_result: RefCell<Result<u64, String>>,
+        /// Every `POST` sent (load reports): path and body.
+        pub posts: RefCell<Vec<(String, Vec<u8>)>>,
+        /// The next `POST`'s outcome.
+        pub post_result: RefCell<Result<u64, String>>,
         /// Whether the host ticks (see [`Host::ticks`]).
         pub ticks: bool,
         /// Whether the host can override the upstream host (see [`Host::overrides_upstream`]).
@@ -177,6 +187,8 @@ pub(crate) mod testing {
                 refused_stats: Vec::new(),
                 polls: RefCell::default(),
                 poll_result: RefCell::new(Ok(1)),
+                posts: RefCell::default(),
+                post_result: RefCell::new(Ok(1001)),
                 ticks: true,
                 overrides_upstream: false,
             }
@@ -240,7 +252,11 @@ pub(crate) mod testing {
     }
 
     impl FeedClient for TestHost {
-        fn dispatch_poll(&self, r: &PollRequest<'_>) -> Result<u64, String> {
+        fn dispatch(&self, r: &SidecarCall<'_>) -> Result<u64, String> {
+            if r.method == "POST" {
+                self.posts.borrow_mut().push((r.path.to_string(), r.body.unwrap_or_default().to_vec()));
+                return self.post_result.borrow().clone();
+            }
             self.polls.borrow_mut().push((
                 r.cluster.to_string(),
                 r.authority.to_string(),

@@ -61,6 +61,8 @@ pub struct SyncIndex {
     /// No frame accepted yet (or the last one was refused): ask for a snapshot.
     need_snapshot: bool,
     live: bool,
+    /// Other gateways' load is written ([`crate::peerload`]).
+    peer_load: bool,
     /// The first snapshot rewrites every bucket: shared data outlives the VM, so a bucket
     /// this VM never wrote may hold an older index.
     rewrite_all: bool,
@@ -105,6 +107,7 @@ impl SyncIndex {
             snapshot_cursor: None,
             need_snapshot: true,
             live: false,
+            peer_load: false,
             rewrite_all: true,
             dirty: Vec::new(),
             is_dirty: vec![false; n],
@@ -165,6 +168,14 @@ impl SyncIndex {
     pub fn set_live(&mut self, live: bool) {
         if self.live != live {
             self.live = live;
+            self.table_dirty = true;
+        }
+    }
+
+    /// Says in the table whether the filters should add other gateways' load.
+    pub fn set_peer_load(&mut self, on: bool) {
+        if self.peer_load != on {
+            self.peer_load = on;
             self.table_dirty = true;
         }
     }
@@ -689,6 +700,7 @@ impl SyncIndex {
     pub fn table(&self) -> WorkerTable {
         WorkerTable {
             index_live: self.live,
+            peer_load: self.peer_load,
             block_size: self.block_size,
             n_buckets: self.n_buckets,
             epoch: self.epoch,
@@ -1333,6 +1345,7 @@ mod tests {
         let mut ix = SyncIndex::new(16);
         ix.restore_slots(&WorkerTable {
             index_live: true,
+            peer_load: false,
             block_size: 16,
             n_buckets: 16,
             epoch: 1,

@@ -19,7 +19,8 @@
 //! nobody holds. The full format is in `docs/shared-data.md`.
 
 use crate::role::Role;
-use crate::slots::{SlotSet, MAX_SLOTS};
+use crate::slots::SlotSet;
+pub use crate::slots::MAX_SLOTS;
 use std::fmt;
 
 pub const TABLE_KEY: &str = "kvroute.workers";
@@ -170,6 +171,9 @@ pub struct WorkerTable {
     /// The index in the buckets is current (the sidecar answered recently). When false the
     /// filter routes by load only.
     pub index_live: bool,
+    /// Other gateways report load ([`crate::peerload`]): the filter reads
+    /// [`crate::peerload::PEERLOAD_KEY`] and adds it to its own.
+    pub peer_load: bool,
     /// The fleet's block size, as the sidecar hashes; must equal the filter's.
     pub block_size: u32,
     pub n_buckets: u32,
@@ -185,7 +189,7 @@ impl WorkerTable {
     pub fn encode(&self) -> Vec<u8> {
         let mut out = Vec::with_capacity(32 + self.slots.len() * 28);
         out.extend_from_slice(&TABLE_FORMAT.to_le_bytes());
-        out.push(u8::from(self.index_live));
+        out.push(u8::from(self.index_live) | u8::from(self.peer_load) << 1);
         out.push(0);
         out.extend_from_slice(&self.block_size.to_le_bytes());
         out.extend_from_slice(&self.n_buckets.to_le_bytes());
@@ -211,7 +215,8 @@ impl WorkerTable {
         if format != TABLE_FORMAT && format != 1 {
             return Err(LayoutError("unknown table format"));
         }
-        let index_live = r.u8("table flags")? & 1 == 1;
+        let flags = r.u8("table flags")?;
+        let (index_live, peer_load) = (flags & 1 == 1, flags & 2 == 2);
         r.u8("table reserved")?;
         let block_size = r.u32("block size")?;
         let n_buckets = r.u32("bucket count")?;
@@ -243,7 +248,7 @@ impl WorkerTable {
         if !slots.iter().all(|s| ids.insert(s.id.as_str())) {
             return Err(LayoutError("worker listed twice"));
         }
-        Ok(WorkerTable { index_live, block_size, n_buckets, epoch, version, slots })
+        Ok(WorkerTable { index_live, peer_load, block_size, n_buckets, epoch, version, slots })
     }
 }
 
@@ -778,6 +783,7 @@ mod tests {
     fn table_round_trip_and_rejects_garbage() {
         let t = WorkerTable {
             index_live: true,
+            peer_load: true,
             block_size: 16,
             n_buckets: 4096,
             epoch: 7,

@@ -13,6 +13,7 @@
 //! - [`layout`]: the shared-data layout the sync service writes and the filter reads
 //! - [`inflight`]: in-flight / predicted blocks and `active_blocks`
 //! - [`scan`]: `cache_hits` per worker over one segment bucket
+//! - [`peerload`]: load shared between gateway replicas (reports, answers, per slot)
 //! - [`cachekey`]: cache keys (a conversation, an agent): where each went, keys per worker
 //! - [`router`]: one routing decision over a [`store::SharedStore`]
 //! - [`store`]: the shared-data store, its read-modify-write loop, and an in-process
@@ -37,6 +38,7 @@ pub mod host;
 pub mod index;
 pub mod inflight;
 pub mod layout;
+pub mod peerload;
 pub mod role;
 pub mod router;
 pub mod scan;

@@ -13,6 +13,7 @@ use crate::layout::{
     begin_bucket, bucket_key, bucket_of, finish_bucket, prefill_epoch, Bucket, CachedBlocks, LoadVector, PrefillChange,
     SlotState, WorkerTable, CACHED_KEY, LOAD_KEY, TABLE_KEY,
 };
+use crate::peerload::{PeerLoad, PEERLOAD_KEY};
 use crate::role::Role;
 use crate::scan::{scan_segment, Scan};
 use crate::score::{rank, tied_at_top, worker_key, Candidate, RankOutcome, Scored, Weights};
@@ -219,6 +220,8 @@ struct Request<'a> {
     capacities: &'a [Option<u32>],
     scan: &'a Scan,
     load: &'a LoadVector,
+    /// Other gateways' load on each slot, added to `load` for ranking only.
+    peers: &'a PeerLoad,
     blocks: u32,
     /// Tie-break key: the first block's hash, or entropy for a request without blocks.
     key: u64,
@@ -309,6 +312,8 @@ impl Router {
         // Kept as read: the update of the load vector after the decision starts from it.
         let load_read = store.get(LOAD_KEY).ok();
         let load = LoadVector::decode(load_read.as_ref().and_then(|(v, _)| v.as_deref()).unwrap_or(&[]));
+        let peers =
+            if self.cfg.peer_load && table.peer_load { read_peer_load(store, &mut d) } else { PeerLoad::default() };
 
         let (decode_set, prefill_set) = match self.cfg.mode {
             Mode::Aggregated => (up_slots(table, |r| r == Role::Both), SlotSet::EMPTY),
@@ -359,6 +364,7 @@ impl Router {
             capacities: &decoded.capacities,
             scan: &scan,
             load: &load,
+            peers: &peers,
             blocks: d.request_blocks,
             key: hashes.first().copied().unwrap_or(entropy),
             epoch,
@@ -625,13 +631,16 @@ impl Router {
             unseen &= of(&scan.hits) == 0 && of(&scan.in_flight) == 0;
             // What the worker would carry with this request added — the blocks already in
             // flight there count once: the potential load, and the memory limit's count.
-            let carried = r.load.get(slot);
+            let peer = r.peers.get(slot);
+            // Summed as they are, two gateways' requests on one prefix would count it twice:
+            // what a peer carries on a holder is taken to be that prefix first.
+            let carried = r.load.get(slot).saturating_add(peer.active.saturating_sub(of(&scan.hits)));
             let with_request = carried.saturating_add(request_blocks.saturating_sub(of(&scan.in_flight)));
             // The worker's prefill queue with this request added: its outstanding prefill,
             // less what siblings compute there on this request's blocks (work this request
             // needs done anyway), plus the request's own.
             let own = if prefills { own_prefill(scan, slot, request_blocks) } else { 0 };
-            let outstanding = r.load.pending_prefill(slot, r.epoch);
+            let outstanding = r.load.pending_prefill(slot, r.epoch).saturating_add(peer.prefill);
             let queued = outstanding.saturating_sub(scan.computing(slot));
             self.candidates.push(Candidate {
                 slot,
@@ -788,6 +797,15 @@ impl Router {
             failures += 1;
         }
         failures
+    }
+}
+
+/// Other gateways' load ([`PEERLOAD_KEY`]); none if unreadable.
+fn read_peer_load(store: &dyn SharedStore, d: &mut Decision) -> PeerLoad {
+    d.shared_reads += 1;
+    match store.get(PEERLOAD_KEY) {
+        Ok((Some(v), _)) => PeerLoad::decode(&v),
+        _ => PeerLoad::default(),
     }
 }
 

@@ -51,5 +51,11 @@ pub fn check(data: &[u8]) {
         assert!((100..=60_000).contains(&c.poll_timeout_ms) && (10..=60_000).contains(&c.retry_interval_ms));
         assert!(c.stale_after_ms > c.poll_timeout_ms && c.max_frame_bytes >= 4096, "{c:?}");
         assert!(c.n_buckets.is_power_of_two() && (16..=1 << 20).contains(&c.n_buckets), "{c:?}");
+        let interval = c.load_report_interval_ms;
+        assert!(interval == 0 || (100..=10_000).contains(&interval), "{c:?}");
+        assert!(c.load_path.starts_with('/') && !c.load_path.contains('?'), "{c:?}");
+        if let Some(id) = &c.gateway_id {
+            assert!((1..=128).contains(&id.len()) && id.bytes().all(|b| b.is_ascii_graphic()), "{c:?}");
+        }
     }
 }

@@ -3,8 +3,9 @@
 //! have left them.
 //!
 //! Input: a selector byte (the request's length in blocks, 1–4; bit 2: the request carries
-//! a cache key), `u16` length + table bytes, `u16` length + load-vector bytes (also stored
-//! as the cached-block counts, which are read on a tie, and as the cache keys' counts),
+//! a cache key; bit 3: the filter adds other gateways' load), `u16` length + table bytes,
+//! `u16` length + load-vector bytes (also stored as the cached-block counts, which are read
+//! on a tie, as the cache keys' counts, and as the other gateways' load),
 //! then one bucket value (stored under every bucket key the request's blocks map to, and
 //! as the cache key's bucket, or without a key as the implicit keys' anchors).
 //! - each layout that decodes encodes back to itself;
@@ -24,6 +25,7 @@ use kvroute::layout::{
     bucket_key, bucket_of, encode_bucket, Bucket, CachedBlocks, LoadVector, SlotState, WorkerTable, CACHED_KEY,
     LOAD_KEY, TABLE_KEY,
 };
+use kvroute::peerload::{PeerLoad, PEERLOAD_KEY};
 use kvroute::router::{Router, TokenSource};
 use kvroute::slots::MAX_SLOTS;
 use kvroute::store::{MemStore, SharedStore};
@@ -56,7 +58,11 @@ pub fn check(data: &[u8]) {
         }
     }
 
-    let cfg = FilterConfig::from_json(b"{}").unwrap_or_else(|e| panic!("default config: {e}"));
+    let peers = PeerLoad::decode(load_bytes);
+    let whole = (load_bytes.len() / 8).min(MAX_SLOTS) * 8;
+    assert_eq!(peers.encode(), load_bytes[..whole], "other gateways' load does not round-trip");
+    let json: &[u8] = if sel & 8 != 0 { br#"{"peer_load": true}"# } else { b"{}" };
+    let cfg = FilterConfig::from_json(json).unwrap_or_else(|e| panic!("config: {e}"));
     let blocks = usize::from(sel % 4) + 1;
     let tokens: Vec<u32> = (0..(blocks * cfg.block_size) as u32).collect();
     let header = tokens.iter().map(u32::to_string).collect::<Vec<_>>().join(",");
@@ -65,6 +71,7 @@ pub fn check(data: &[u8]) {
     put(TABLE_KEY, table_bytes);
     put(LOAD_KEY, load_bytes);
     put(CACHED_KEY, load_bytes);
+    put(PEERLOAD_KEY, load_bytes);
     let mut keys = BTreeSet::new();
     if let Some(t) = &table {
         // A table's bucket count is any power of two; only the request's keys are stored.

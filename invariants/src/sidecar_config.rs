@@ -5,12 +5,13 @@
 //! values, one per line), then the text.
 //! - a configuration that loads holds what the ingest loop relies on: a worker list
 //!   within bounds, unique ids that are `ip:port` addresses, endpoints it can dial, a
-//!   block size and every interval and count at least 1;
+//!   block size and every interval and count at least 1; a load exchange only over NATS,
+//!   on a subject outside the event stream's;
 //! - an accepted `--worker`, written back in canonical form, loads to the same worker.
 
 use clap::Parser;
 use kvroute::role::Role;
-use kvroute_sidecar::config::{Cli, Config, Discovery, WorkerConfig, MAX_WORKERS};
+use kvroute_sidecar::config::{Cli, Config, Discovery, Transport, WorkerConfig, MAX_WORKERS};
 use std::net::SocketAddr;
 
 pub fn check(data: &[u8]) {
@@ -25,6 +26,12 @@ pub fn check(data: &[u8]) {
     let Ok(config) = config else { return };
     assert!(config.block_size >= 1 && config.log_max_blocks >= 1 && config.snapshot_page_blocks >= 1);
     assert!(config.max_pending_batches >= 1 && !config.health_interval.is_zero() && !config.replay_timeout.is_zero());
+    assert!((100..=60_000).contains(&config.peer_load_ttl.as_millis()), "{:?}", config.peer_load_ttl);
+    if let Some(x) = &config.load_exchange {
+        let Transport::Nats(n) = &config.transport else { panic!("a load exchange without NATS") };
+        let under = |p: &str| x.subject == p || x.subject.starts_with(&format!("{p}."));
+        assert!(!under(&n.subject_prefix) && !x.subject.contains(['*', '>', ' ']), "{x:?}");
+    }
     match config.discovery {
         Discovery::Static => assert!((1..=MAX_WORKERS).contains(&config.workers.len())),
         _ => assert!(config.workers.is_empty(), "workers and a discovery backend"),

@@ -16,7 +16,7 @@ use crate::abi::{
 use crate::boundary::{guard, PANICS};
 use crate::buffers::{array, bytes, header_value, lend, lend_header};
 use crate::{clock, envoy_log, shared};
-use kvroute::host::{Clock, FeedClient, Gauge, Host, PollRequest, StatId, StatKind, Stats};
+use kvroute::host::{Clock, FeedClient, Gauge, Host, SidecarCall, StatId, StatKind, Stats};
 use kvroute::store::ProcessStore;
 use kvroute::sync::{SyncService, TICK, WORKER_GAUGES};
 use std::cell::RefCell;
@@ -129,13 +129,16 @@ impl Stats for SyncHost {
 }
 
 impl FeedClient for SyncHost {
-    fn dispatch_poll(&self, r: &PollRequest<'_>) -> Result<u64, String> {
-        let mut headers = [
-            lend_header(":method", "GET"),
+    fn dispatch(&self, r: &SidecarCall<'_>) -> Result<u64, String> {
+        let mut headers = vec![
+            lend_header(":method", r.method),
             lend_header(":path", r.path),
             lend_header("host", r.authority),
-            lend_header("accept", "application/x-kvroute-feed"),
+            lend_header("accept", r.accept),
         ];
+        if r.body.is_some() {
+            headers.push(lend_header("content-type", "application/json"));
+        }
         let mut id = 0u64;
         // SAFETY: main thread (the timer and callout hooks), live configuration; Envoy
         // copies the headers.
@@ -146,7 +149,7 @@ impl FeedClient for SyncHost {
                 lend(r.cluster.as_bytes()),
                 headers.as_mut_ptr(),
                 headers.len(),
-                ModuleBuffer { ptr: std::ptr::null(), length: 0 },
+                r.body.map_or(ModuleBuffer { ptr: std::ptr::null(), length: 0 }, lend),
                 r.timeout.as_millis() as u64,
             )
         };
@@ -201,7 +204,9 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_bootstrap_extension_config_new(
             }
         }
         let panics = Gauge::define(&host, "kvroute.native_panics");
-        let service = match SyncService::configure(host, config) {
+        // Gateway names differ per Envoy: seed with the time and the process id.
+        let seed = crate::clock::now_ms() ^ u64::from(std::process::id()).rotate_left(40);
+        let service = match SyncService::configure(host, config, seed) {
             Ok(s) => s,
             Err(e) => {
                 log::error!("kvroute-sync: refusing configuration: {e}");
@@ -301,7 +306,7 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_bootstrap_extension_http_callou
             Some(body)
         };
         match ext.service.try_borrow_mut() {
-            Ok(mut service) => service.on_poll_response(callout_id, status, body_size, read_body),
+            Ok(mut service) => service.on_response(callout_id, status, body_size, read_body),
             // Answered inside our own dispatch: the poll times out and is sent again.
             Err(_) => log::warn!("kvroute-sync: a feed answer arrived re-entrantly and was dropped"),
         }

@@ -98,6 +98,10 @@ struct FileConfig {
     nats_max_msgs_per_subject: Option<i64>,
     nats_duplicate_window_s: Option<u64>,
     nats_replicas: Option<usize>,
+    nats_storage: Option<String>,
+    load_exchange: Option<String>,
+    load_exchange_subject: Option<String>,
+    peer_load_ttl_ms: Option<u64>,
     #[serde(default)]
     workers: Vec<FileWorker>,
 }
@@ -159,6 +163,19 @@ pub struct Config {
     pub workers: Vec<WorkerConfig>,
     pub discovery: Discovery,
     pub transport: Transport,
+    /// How gateway load reports reach the other sidecars (`crate::peerload`); `None`: only
+    /// the gateways that report to this sidecar see each other's.
+    pub load_exchange: Option<LoadExchange>,
+    /// A gateway's report counts for this long after it arrived.
+    pub peer_load_ttl: Duration,
+}
+
+/// Load reports published on, and read from, a NATS core subject (not JetStream: only the
+/// latest report of each gateway matters, and a lost one is replaced within an interval).
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoadExchange {
+    pub url: String,
+    pub subject: String,
 }
 
 /// How KV events reach the sidecar.
@@ -219,6 +236,7 @@ impl Config {
     fn from_parts(file: FileConfig, cli: &Cli) -> Result<Config, String> {
         let discovery = discovery(&file, cli)?;
         let transport = transport(&file, cli)?;
+        let load_exchange = load_exchange(&file, &transport)?;
         let block_size = cli.block_size.or(file.block_size).unwrap_or(kvroute::hash::DEFAULT_BLOCK_SIZE as u32);
         if block_size == 0 {
             return Err("block_size: must be at least 1".into());
@@ -281,6 +299,10 @@ impl Config {
                 return Err(format!("workers: id `{}` appears twice", w.id));
             }
         }
+        let peer_load_ttl = match file.peer_load_ttl_ms.unwrap_or(1000) {
+            n @ 100..=60_000 => Duration::from_millis(n),
+            n => return Err(format!("peer_load_ttl_ms: {n} is not in 100..=60000")),
+        };
         Ok(Config {
             block_size,
             listen,
@@ -300,7 +322,38 @@ impl Config {
             workers,
             discovery,
             transport,
+            load_exchange,
+            peer_load_ttl,
         })
+    }
+}
+
+/// `load_exchange`: `nats` (the default with the NATS transport, on its server) or `none`.
+fn load_exchange(file: &FileConfig, transport: &Transport) -> Result<Option<LoadExchange>, String> {
+    let default = match transport {
+        Transport::Nats(_) => "nats",
+        Transport::Zmq => "none",
+    };
+    let subject = file.load_exchange_subject.clone().unwrap_or_else(|| "kvroute.load".into());
+    match (file.load_exchange.as_deref().unwrap_or(default), transport) {
+        ("none", _) if file.load_exchange_subject.is_some() => {
+            Err("load_exchange_subject: set, but load_exchange is `none`".into())
+        }
+        ("none", _) => Ok(None),
+        ("nats", Transport::Nats(n)) => {
+            let tokens_ok = subject.split('.').all(|t| !t.is_empty() && !t.contains([' ', '*', '>']));
+            let in_stream = subject == n.subject_prefix || subject.starts_with(&format!("{}.", n.subject_prefix));
+            if !tokens_ok || in_stream {
+                return Err(format!(
+                    "load_exchange_subject: `{subject}` must be a subject without wildcards, outside the event \
+                     stream's `{}.>`",
+                    n.subject_prefix
+                ));
+            }
+            Ok(Some(LoadExchange { url: n.url.clone(), subject }))
+        }
+        ("nats", Transport::Zmq) => Err("load_exchange: `nats` needs kv_event_transport = \"nats\"".into()),
+        (other, _) => Err(format!("load_exchange: `{other}` is not one of nats, none")),
     }
 }
 
@@ -315,6 +368,7 @@ fn transport(file: &FileConfig, cli: &Cli) -> Result<Transport, String> {
         max_msgs_per_subject: file.nats_max_msgs_per_subject,
         duplicate_window_s: file.nats_duplicate_window_s,
         replicas: file.nats_replicas,
+        storage: file.nats_storage.clone(),
     };
     let nats_set = keys != crate::nats::NatsKeys::default();
     match name.as_str() {
@@ -563,6 +617,28 @@ dp_ranks = 2
         let cli = Cli { nats_url: Some("nats://10.0.0.2:4222".into()), ..Cli::default() };
         let Transport::Nats(n) = Config::from_toml(text, &cli).unwrap().transport else { panic!("not nats") };
         assert_eq!((n.url.as_str(), n.stream.as_str(), n.max_age.as_secs()), ("nats://10.0.0.2:4222", "KV", 600));
+    }
+
+    #[test]
+    fn load_reports_are_exchanged_over_nats_by_default_with_the_nats_transport() {
+        let w = "[[workers]]\nid=\"1.2.3.4:1\"\nevents=\"tcp://a:1\"";
+        let cfg = |extra: &str| Config::from_toml(&format!("{extra}\n{w}"), &Cli::default());
+        let nats = cfg("kv_event_transport = \"nats\"").unwrap();
+        let want = LoadExchange { url: crate::nats::DEFAULT_URL.into(), subject: "kvroute.load".into() };
+        assert_eq!((nats.load_exchange, nats.peer_load_ttl), (Some(want), Duration::from_secs(1)));
+        assert_eq!(cfg("").unwrap().load_exchange, None);
+        assert_eq!(cfg("kv_event_transport = \"nats\"\nload_exchange = \"none\"").unwrap().load_exchange, None);
+        for (extra, needle) in [
+            ("load_exchange = \"nats\"", "kv_event_transport"),
+            ("load_exchange = \"gossip\"", "gossip"),
+            ("load_exchange_subject = \"x\"", "load_exchange_subject"),
+            ("kv_event_transport = \"nats\"\nload_exchange_subject = \"kvroute.events.load\"", "outside"),
+            ("kv_event_transport = \"nats\"\nload_exchange_subject = \"a.*\"", "wildcards"),
+            ("peer_load_ttl_ms = 50", "peer_load_ttl_ms"),
+        ] {
+            let e = cfg(extra).unwrap_err();
+            assert!(e.contains(needle), "{extra}: {e}");
+        }
     }
 
     #[test]

@@ -9,6 +9,7 @@
 //!   the ZMQ one: the subscriptions and replay connections; [`nats`] the NATS JetStream
 //!   one ([`nats::source`]) and the relay that fills the stream ([`nats::relay`]);
 //! - [`server`], [`metrics`] and [`health`] are the HTTP side and liveness;
+//! - [`peerload`] shares each gateway's load with the others (`/v1/load`, a NATS subject);
 //! - [`discovery`] keeps the worker list current (static, DNS, etcd); [`eds`] hands it to
 //!   Envoy's `workers` cluster.
 
@@ -25,6 +26,7 @@ pub mod ingest;
 pub mod metrics;
 pub mod msgpack;
 pub mod nats;
+pub mod peerload;
 pub mod sequence;
 pub mod server;
 pub mod table;

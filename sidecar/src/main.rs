@@ -2,7 +2,7 @@
 //! feed (`docs/feed-protocol.md`) plus the admin API. Usage: `sidecar/README.md`.
 
 use clap::Parser;
-use kvroute_sidecar::{checkpoint, config, discovery, fleet, health, ingest, nats, server, zmq_source};
+use kvroute_sidecar::{checkpoint, config, discovery, fleet, health, ingest, nats, peerload, server, zmq_source};
 use std::collections::hash_map::RandomState;
 use std::hash::{BuildHasher, Hasher};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -106,7 +106,12 @@ fn run(config: config::Config) -> Result<(), String> {
         let listener =
             tokio::net::TcpListener::bind(config.listen).await.map_err(|e| format!("listen {}: {e}", config.listen))?;
         log::info!("serving on {} ({} workers, block size {})", config.listen, config.workers.len(), config.block_size);
-        let app = Arc::new(server::App { fleet: fleet.clone(), started });
+        let loads = Arc::new(Mutex::new(peerload::PeerLoads::new(config.peer_load_ttl)));
+        let publisher = match &config.load_exchange {
+            Some(exchange) => peerload::start_exchange(exchange, loads.clone()),
+            None => peerload::Publisher::NONE,
+        };
+        let app = Arc::new(server::App { fleet: fleet.clone(), started, loads, publisher });
         tokio::spawn(health::run(config.clone(), fleet.clone(), started));
         {
             let (config, fleet) = (config.clone(), fleet.clone());

@@ -35,6 +35,9 @@ pub struct NatsSettings {
     /// How long a message id is remembered for deduplication.
     pub duplicate_window: Duration,
     pub replicas: usize,
+    /// Where the server keeps the stream: `File` (the default: it survives a server
+    /// restart) or `Memory` (a shorter event-path tail; a lone server's restart loses it).
+    pub storage: jetstream::stream::StorageType,
 }
 
 pub const DEFAULT_URL: &str = "nats://127.0.0.1:4222";
@@ -52,6 +55,7 @@ pub struct NatsKeys {
     pub max_msgs_per_subject: Option<i64>,
     pub duplicate_window_s: Option<u64>,
     pub replicas: Option<usize>,
+    pub storage: Option<String>,
 }
 
 impl NatsKeys {
@@ -96,6 +100,11 @@ impl NatsKeys {
         if !(1..=5).contains(&replicas) {
             return Err(format!("nats_replicas: {replicas} is not in 1..=5"));
         }
+        let storage = match self.storage.as_deref().unwrap_or("file") {
+            "file" => jetstream::stream::StorageType::File,
+            "memory" => jetstream::stream::StorageType::Memory,
+            other => return Err(format!("nats_storage: `{other}` is not one of file, memory")),
+        };
         Ok(NatsSettings {
             url,
             stream,
@@ -105,6 +114,7 @@ impl NatsKeys {
             max_msgs_per_subject,
             duplicate_window,
             replicas,
+            storage,
         })
     }
 }
@@ -179,7 +189,7 @@ pub async fn ensure_stream(js: &jetstream::Context, s: &NatsSettings) -> Result<
         max_messages_per_subject: s.max_msgs_per_subject,
         duplicate_window: s.duplicate_window,
         num_replicas: s.replicas,
-        storage: jetstream::stream::StorageType::File,
+        storage: s.storage,
         ..Default::default()
     };
     let mut stream = js.get_or_create_stream(config).await.map_err(|e| format!("stream {}: {e}", s.stream))?;
@@ -190,6 +200,15 @@ pub async fn ensure_stream(js: &jetstream::Context, s: &NatsSettings) -> Result<
             "stream {} takes subjects {:?}, not {want}: set nats_subject_prefix to match, or use another nats_stream",
             s.stream, info.config.subjects
         ));
+    }
+    if info.config.storage != s.storage {
+        log::warn!(
+            "stream {} exists with {:?} storage, not the {:?} configured; it stays so (a stream's storage cannot \
+             change: delete it, or use another nats_stream)",
+            s.stream,
+            info.config.storage,
+            s.storage
+        );
     }
     if info.config.max_age != s.max_age || info.config.max_bytes != s.max_bytes {
         log::info!(
@@ -236,6 +255,9 @@ mod tests {
         assert!(NatsKeys { url: Some("nats://a:4222,nats://b:4222".into()), ..Default::default() }.settings().is_ok());
         assert_eq!((s.stream.as_str(), s.subject_prefix.as_str()), (DEFAULT_STREAM, DEFAULT_SUBJECT_PREFIX));
         assert_eq!((s.max_bytes, s.max_msgs_per_subject, s.replicas), (1 << 30, -1, 1));
+        assert_eq!(s.storage, jetstream::stream::StorageType::File);
+        let memory = NatsKeys { storage: Some("memory".into()), ..Default::default() }.settings().unwrap();
+        assert_eq!(memory.storage, jetstream::stream::StorageType::Memory);
         for (keys, says) in [
             (NatsKeys { url: Some("http://x:4222".into()), ..Default::default() }, "nats_url"),
             (NatsKeys { url: Some("nats://a:4222,nats://b:x".into()), ..Default::default() }, "nats_url"),
@@ -246,6 +268,7 @@ mod tests {
             (NatsKeys { max_msgs_per_subject: Some(0), ..Default::default() }, "nats_max_msgs_per_subject"),
             (NatsKeys { max_age_s: Some(10), ..Default::default() }, "nats_max_age_s"),
             (NatsKeys { replicas: Some(0), ..Default::default() }, "nats_replicas"),
+            (NatsKeys { storage: Some("ram".into()), ..Default::default() }, "nats_storage"),
         ] {
             assert!(keys.settings().unwrap_err().contains(says), "{keys:?}");
         }

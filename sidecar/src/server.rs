@@ -1,6 +1,7 @@
 //! The HTTP side: the feed for Envoy's sync service, the admin API, `/metrics`, `/healthz`.
 
 use crate::fleet::{FeedReply, Fleet};
+use crate::peerload::{PeerLoads, Publisher, LOAD_PATH, MAX_REPORT_BYTES};
 use bytes::Bytes;
 use http_body_util::Full;
 use hyper::body::Incoming;
@@ -17,6 +18,9 @@ const MAX_HOLD: Duration = Duration::from_secs(60);
 pub struct App {
     pub fleet: Arc<Mutex<Fleet>>,
     pub started: Instant,
+    /// Gateways' load reports ([`crate::peerload`]) and where they are published.
+    pub loads: Arc<Mutex<PeerLoads>>,
+    pub publisher: Publisher,
 }
 
 impl App {
@@ -44,6 +48,9 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Result<Resp, std::
     if path == crate::eds::EDS_PATH {
         return Ok(eds(&app, req).await);
     }
+    if path == LOAD_PATH {
+        return Ok(load(&app, req).await);
+    }
     if req.method() != Method::GET && req.method() != Method::HEAD {
         return Ok(error(StatusCode::METHOD_NOT_ALLOWED, "only GET"));
     }
@@ -64,7 +71,8 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Result<Resp, std::
     } else if path == "/v1/admin/workers" {
         json(StatusCode::OK, &app.fleet().workers_json(Instant::now()))
     } else if path == "/metrics" {
-        let text = crate::metrics::render(&app.fleet(), Instant::now(), app.started);
+        let mut text = crate::metrics::render(&app.fleet(), Instant::now(), app.started);
+        text.push_str(&crate::peerload::lock(&app.loads).render(Instant::now()));
         respond(StatusCode::OK, "text/plain; version=0.0.4", text)
     } else if path == "/healthz" {
         json(StatusCode::OK, &serde_json::json!({"status": "ok"}))
@@ -106,6 +114,41 @@ fn eds_refused(app: &App, why: &str) -> Resp {
         log::warn!("endpoint discovery: {why} (#{n})");
     }
     error(StatusCode::BAD_REQUEST, why)
+}
+
+/// A gateway's load report (`kvroute::peerload::Report`), answered with the other
+/// gateways' load. A bad one is refused with the reason, counted, and logged at powers of
+/// two (a gateway reports ten times a second).
+async fn load(app: &App, req: Request<Incoming>) -> Resp {
+    use http_body_util::BodyExt;
+    if req.method() != Method::POST {
+        return error(StatusCode::METHOD_NOT_ALLOWED, "only POST");
+    }
+    let body = http_body_util::Limited::new(req.into_body(), MAX_REPORT_BYTES).collect().await;
+    let report =
+        body.map_err(|e| format!("request body: {e}")).and_then(|b| kvroute::peerload::Report::decode(&b.to_bytes()));
+    let now = Instant::now();
+    let mut loads = crate::peerload::lock(&app.loads);
+    let kept = report.and_then(|r| {
+        let (gateway, bytes) = (r.gateway.clone(), r.encode());
+        loads.put(r, now).map(|()| (gateway, bytes))
+    });
+    match kept {
+        Ok((gateway, bytes)) => {
+            loads.stats.reports += 1;
+            if !app.publisher.publish(bytes) {
+                loads.stats.exchanged_dropped += 1;
+            }
+            respond(StatusCode::OK, "application/json", loads.others(&gateway, now).encode())
+        }
+        Err(why) => {
+            loads.stats.reports_bad += 1;
+            if loads.stats.reports_bad.is_power_of_two() {
+                log::warn!("load report refused: {why} (#{})", loads.stats.reports_bad);
+            }
+            error(StatusCode::BAD_REQUEST, &why)
+        }
+    }
 }
 
 #[derive(Debug)]

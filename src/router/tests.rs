@@ -796,3 +796,35 @@ fn cache_keys_cost_no_reads_when_off_and_bad_key_values_are_counted() {
     assert_eq!(store.get(&bucket).unwrap().0.unwrap(), vec![1, 2, 3]);
     assert!(!d.destinations.is_empty(), "the request is routed all the same");
 }
+
+#[test]
+fn other_gateways_load_counts_as_this_gateways_while_the_table_says_so() {
+    let p = prompt(1, 160); // 10 blocks, 8 held by worker 2
+    let (store, mut ix) = fleet(4, vec![Op::Store { worker: 2, blocks: feed_blocks(&p[..128]) }]);
+    let mut r = Router::new(cfg(r#"{"peer_load": true}"#));
+    // Another gateway has a queue of uncached work on the holder, and load everywhere else
+    // (on the holder, of its 400 in-flight blocks the request's 8 hits count as shared).
+    let busy = |active, prefill| crate::peerload::WorkerLoad { active, prefill };
+    let peers = PeerLoad(vec![busy(5, 0), busy(0, 0), busy(400, 300), busy(5, 0)]);
+    store.set(PEERLOAD_KEY, &peers.encode(), None).unwrap();
+    // Not read before the table's flag is set: the holder wins on its hits.
+    let d = route(&mut r, &store, &p, 0);
+    assert_eq!((d.destinations[0].as_str(), d.shared_reads), ("10.0.0.2:8000", 3));
+    r.release(&store, &d.held, 1);
+    ix.set_peer_load(true);
+    assert_eq!(crate::index::publish(&mut ix, &store).failures, 0);
+    // Without the setting it is never read.
+    let mut alone = Router::new(cfg("{}"));
+    let d = route(&mut alone, &store, &p, 2);
+    assert_eq!((d.destinations[0].as_str(), d.shared_reads), ("10.0.0.2:8000", 3));
+    alone.release(&store, &d.held, 2);
+    let d = route(&mut r, &store, &p, 2);
+    assert_ne!(d.destinations[0], "10.0.0.2:8000", "{d:?}");
+    assert_eq!(d.shared_reads, 4, "one more read: the peers' load");
+    // Only this gateway's own load is written back.
+    assert_eq!(actives(&store).iter().sum::<u32>(), 10);
+    // An unreadable value is no load.
+    store.set(PEERLOAD_KEY, &[1, 2, 3], None).unwrap();
+    r.release(&store, &d.held, 3);
+    assert_eq!(route(&mut r, &store, &p, 4).destinations[0], "10.0.0.2:8000");
+}

@@ -12,7 +12,7 @@ use wasm_bindgen_test::wasm_bindgen_test as test;
 const CONFIG: &str = r#"{"n_buckets": 16, "retry_interval_ms": 1000, "stale_after_ms": 15000}"#;
 
 fn service() -> SyncService<TestHost> {
-    SyncService::configure(TestHost::new(), CONFIG.as_bytes()).unwrap()
+    SyncService::configure(TestHost::new(), CONFIG.as_bytes(), 7).unwrap()
 }
 
 fn workers(n: usize) -> Vec<FeedWorker> {
@@ -43,7 +43,7 @@ fn last_path(s: &SyncService<TestHost>) -> String {
 
 /// Answers the poll in flight (token 1, the test host's) with `status` and `body`.
 fn answer(s: &mut SyncService<TestHost>, status: u32, body: &[u8]) {
-    s.on_poll_response(1, Some(status), body.len(), || Some(body.to_vec()));
+    s.on_response(1, Some(status), body.len(), || Some(body.to_vec()));
 }
 
 fn table(s: &SyncService<TestHost>) -> WorkerTable {
@@ -130,9 +130,9 @@ fn a_refused_dispatch_is_a_failed_poll() {
 
 #[test]
 fn an_oversized_frame_is_not_read() {
-    let mut s = SyncService::configure(TestHost::new(), br#"{"n_buckets": 16, "max_frame_bytes": 4096}"#).unwrap();
+    let mut s = SyncService::configure(TestHost::new(), br#"{"n_buckets": 16, "max_frame_bytes": 4096}"#, 7).unwrap();
     s.on_tick();
-    s.on_poll_response(1, Some(200), 4097, || panic!("read an oversized body"));
+    s.on_response(1, Some(200), 4097, || panic!("read an oversized body"));
     assert_eq!(s.host().stat("kvroute_sync.frames_bad"), Some(1));
     assert_eq!(s.host().stat("kvroute_sync.polls_failed"), Some(1));
 }
@@ -171,7 +171,7 @@ fn a_refused_frame_asks_for_a_snapshot_at_once() {
 fn answers_to_other_polls_are_ignored() {
     let mut s = service();
     s.on_tick();
-    s.on_poll_response(99, Some(200), 0, || panic!("read another poll's body"));
+    s.on_response(99, Some(200), 0, || panic!("read another poll's body"));
     assert_eq!(s.host().stat("kvroute_sync.polls_ok"), Some(0));
     // Still waiting for its own.
     s.on_tick();
@@ -232,14 +232,104 @@ fn slots_survive_a_new_vm_and_load_reaches_per_worker_gauges() {
     // sidecar says otherwise.
     let host = TestHost::new();
     host.store.set(TABLE_KEY, &s.host().store.get(TABLE_KEY).unwrap().0.unwrap(), None).unwrap();
-    let next = SyncService::configure(host, CONFIG.as_bytes()).unwrap();
+    let next = SyncService::configure(host, CONFIG.as_bytes(), 7).unwrap();
     let slots = next.index().table().slots;
     assert_eq!((slots[1].id.as_str(), slots[1].state), ("10.0.0.1:8000", SlotState::Down));
 }
 
 #[test]
 fn a_bad_configuration_refuses_to_load() {
-    let e = SyncService::configure(TestHost::new(), br#"{"max_frame_bytes": 100}"#).err().unwrap();
+    let e = SyncService::configure(TestHost::new(), br#"{"max_frame_bytes": 100}"#, 7).err().unwrap();
     assert!(e.to_string().contains("max_frame_bytes"), "{e}");
-    assert!(SyncService::configure(TestHost::new(), br#"{"feed_cluster": 3}"#).is_err());
+    assert!(SyncService::configure(TestHost::new(), br#"{"feed_cluster": 3}"#, 7).is_err());
+}
+
+/// Answers the load report in flight (token 1001, the test host's) with `status` and `body`.
+fn load_answer(s: &mut SyncService<TestHost>, status: u32, body: &[u8]) {
+    s.on_response(1001, Some(status), body.len(), || Some(body.to_vec()));
+}
+
+fn reports(s: &SyncService<TestHost>) -> Vec<Report> {
+    s.host()
+        .posts
+        .borrow()
+        .iter()
+        .map(|(path, body)| {
+            assert_eq!(path, "/v1/load");
+            Report::decode(body).unwrap()
+        })
+        .collect()
+}
+
+fn peer_load(s: &SyncService<TestHost>) -> PeerLoad {
+    PeerLoad::decode(&s.host().store.get(PEERLOAD_KEY).unwrap().0.unwrap())
+}
+
+#[test]
+fn the_gateways_load_is_reported_and_the_others_written_for_the_filters() {
+    use crate::peerload::WorkerLoad;
+    let mut s = synced();
+    assert_eq!(reports(&s).len(), 1, "the first tick reports");
+    assert!(s.gateway_id().starts_with("gw-") && reports(&s)[0].gateway == s.gateway_id());
+    // This gateway's own load, by worker id.
+    let mut load = LoadVector::default();
+    load.apply(&[(1, 12)]);
+    s.host().store.set(LOAD_KEY, &load.encode(), None).unwrap();
+    // No second report while one is in flight, or before the interval.
+    s.host().advance(150);
+    s.on_tick();
+    assert_eq!(reports(&s).len(), 1);
+    let answer =
+        Answer { gateways: 1, workers: [("10.0.0.0:8000".to_string(), WorkerLoad { active: 30, prefill: 9 })].into() };
+    load_answer(&mut s, 200, &answer.encode());
+    assert_eq!(peer_load(&s).0, vec![WorkerLoad { active: 30, prefill: 9 }]);
+    assert!(table(&s).peer_load);
+    assert_eq!(s.host().stat("kvroute_sync.peer_gateways"), Some(1));
+    s.on_tick();
+    let r = reports(&s);
+    assert_eq!(r.len(), 2);
+    assert_eq!(r[1].workers["10.0.0.1:8000"], WorkerLoad { active: 12, prefill: 0 });
+    assert_eq!(s.host().stat("kvroute.peer_active_blocks.10_0_0_0_8000"), Some(30));
+    assert_eq!(s.host().stat("kvroute.peer_prefill_blocks.10_0_0_0_8000"), Some(9));
+    // The feed's own poll is still answered as the feed's.
+    assert_eq!(polls(&s), 2);
+    // The other gateway went away: the answer is empty and the flag goes off.
+    load_answer(&mut s, 200, &Answer::default().encode());
+    assert_eq!((peer_load(&s), table(&s).peer_load), (PeerLoad::default(), false));
+}
+
+#[test]
+fn without_load_answers_the_others_load_is_dropped_and_reports_back_off() {
+    use crate::peerload::WorkerLoad;
+    let mut s = synced();
+    let answer =
+        Answer { gateways: 1, workers: [("10.0.0.1:8000".into(), WorkerLoad { active: 5, prefill: 0 })].into() };
+    load_answer(&mut s, 200, &answer.encode());
+    assert!(table(&s).peer_load);
+    // A sidecar without the endpoint, a bad body, an unanswered call: failures, counted.
+    for (status, body) in [(404, &b"{}"[..]), (200, b"not json")] {
+        s.host().advance(2_000);
+        s.on_tick();
+        load_answer(&mut s, status, body);
+    }
+    assert_eq!(s.host().stat("kvroute_sync.load_reports_failed"), Some(2));
+    // Ten intervals (at least 1 s) after the last good answer the filters stop adding it.
+    assert_eq!((peer_load(&s), table(&s).peer_load), (PeerLoad::default(), false));
+    let sent = reports(&s).len();
+    s.host().advance(100);
+    s.on_tick();
+    assert_eq!(reports(&s).len(), sent, "backing off after two failures: 4 intervals");
+    s.host().advance(300);
+    s.on_tick();
+    assert_eq!(reports(&s).len(), sent + 1);
+}
+
+#[test]
+fn load_reports_can_be_turned_off() {
+    let cfg = br#"{"n_buckets": 16, "load_report_interval_ms": 0, "gateway_id": "edge-1"}"#;
+    let mut s = SyncService::configure(TestHost::new(), cfg, 7).unwrap();
+    s.on_tick();
+    s.host().advance(1_000);
+    s.on_tick();
+    assert_eq!((reports(&s).len(), s.gateway_id()), (0, "edge-1"));
 }

@@ -72,6 +72,28 @@ def test_every_sidecar_reads_the_same_index_from_the_stream(closing):
     assert nats.stream_info()["messages"] == 2
 
 
+def test_a_stream_kept_in_memory(closing):
+    """`nats_storage = "memory"`: the relay creates the stream in the server's memory and a
+    sidecar reads it as from files; a sidecar configured for files finds the stream as it
+    is and says so."""
+    nats = Nats()
+    closing(nats)
+    e = Engine()
+    closing(e.pub)
+    closing(Relay(nats.url, e.http, e.events, e.replay, extra=["--nats-storage", "memory"]))
+    sc = nats_sidecar(nats, [e], nats_storage="memory")
+    closing(sc)
+    time.sleep(0.3)  # ZMQ's slow joiner
+    prompt = tokens(98, 4 * 16)
+    e.store(prompt)
+    wait_for(lambda: blocks(sc, e) == set(feed_blocks(prompt)), what="the blocks through a memory stream")
+    assert nats.stream_info(part="config")["storage"] == "memory"
+    files = nats_sidecar(nats, [e])
+    closing(files)
+    wait_for(lambda: blocks(files, e) == set(feed_blocks(prompt)), what="the second sidecar's index")
+    assert "exists with Memory storage, not the File configured" in files.logs()
+
+
 def test_a_relay_restart_loses_nothing_and_duplicates_nothing(closing):
     """The relay dies; the engine goes on. The restarted relay continues after the last
     batch the stream holds, from the engine's replay socket: every batch is in the stream
@@ -162,16 +184,11 @@ def test_a_bad_nats_configuration_refuses_to_start():
             sc.stop()
 
 
-@pytest.mark.parametrize("build", ["wasm"])
-def test_two_gateways_route_alike_and_survive_a_sidecar_restart(closing, build):
-    """Two Envoys, each with its own sidecar reading the same stream, in front of one fleet:
-    both send a prefix to the worker that holds it, and both keep answering while one
-    sidecar restarts (the other gateway unaffected, the restarted one re-learns the index
-    from the stream)."""
-    import json
-
-    from harness import Envoy, render_config, wait_synced
-    from test_filter import b64
+def two_gateways(closing, build, filter_config=None):
+    """nats-server, two upstream workers with their engines and relays, and two gateways
+    (each a sidecar reading the stream and an Envoy on it): (nats, ups, engines,
+    [[sidecar, envoy], ...])."""
+    from harness import Envoy, render_config
     from upstream import Worker
 
     nats = Nats()
@@ -184,10 +201,25 @@ def test_two_gateways_route_alike_and_survive_a_sidecar_restart(closing, build):
     for _ in range(2):
         sc = nats_sidecar(nats, engines)
         closing(sc)
-        cfg, lp, ap = render_config(ups, sc.port, build=build)
+        cfg, lp, ap = render_config(ups, sc.port, filter_config, build=build)
         envoy = Envoy(cfg, lp, ap)
         closing(envoy)
         gateways.append([sc, envoy])
+    return nats, ups, engines, gateways
+
+
+@pytest.mark.parametrize("build", ["wasm"])
+def test_two_gateways_route_alike_and_survive_a_sidecar_restart(closing, build):
+    """Two Envoys, each with its own sidecar reading the same stream, in front of one fleet:
+    both send a prefix to the worker that holds it, and both keep answering while one
+    sidecar restarts (the other gateway unaffected, the restarted one re-learns the index
+    from the stream)."""
+    import json
+
+    from harness import wait_synced
+    from test_filter import b64
+
+    nats, ups, engines, gateways = two_gateways(closing, build)
 
     def route(envoy, prompt):
         status, _, body = envoy.request(headers={"x-prompt-token-ids-b64": b64(prompt)})
@@ -222,6 +254,59 @@ def test_two_gateways_route_alike_and_survive_a_sidecar_restart(closing, build):
     assert set(statuses) == {200}
     for _, envoy in gateways:
         wait_for(lambda: route(envoy, prefix + tokens(140, 40)) == (200, ups[1].id), what="prefix routing again")
+
+
+@pytest.mark.parametrize("build", ["wasm", "native"])
+def test_two_gateways_share_their_load(closing, build):
+    """Two Envoys, each with its own sidecar, `peer_load` on; the sidecars exchange the
+    gateways' load reports on NATS. Both workers hold one prefix. A request held in flight through gateway
+    A goes to one of them by the tie-break; gateway B, which routed nothing, sees A's load
+    there (its `kvroute.peer_active_blocks` gauge) and sends the next request of the prefix
+    to the other worker, where on its own load alone the same tie-break would have chosen
+    the busy one. When A's request ends, B's view of it goes back to zero."""
+    import json
+    import threading
+
+    from harness import wait_synced
+    from test_filter import b64
+
+    _, ups, engines, gateways = two_gateways(closing, build, {"peer_load": True})
+    time.sleep(0.3)
+    prefix = tokens(150, 32 * 16)
+    for e in engines:
+        e.store(prefix)
+    for sc, envoy in gateways:
+        wait_for(lambda: all(sc.block_count(u.id) == 32 for u in ups), what="the prefix on both, in each sidecar")
+        wait_synced(envoy, sc)
+    (_, a), (sc_b, b) = gateways
+
+    def served(envoy, prompt, delay_ms=0):
+        headers = {"x-prompt-token-ids-b64": b64(prompt)}
+        if delay_ms:
+            headers["x-test-delay-ms"] = str(delay_ms)
+        status, _, body = envoy.request(headers=headers)
+        assert status == 200, body
+        return json.loads(body)["worker"]
+
+    def sid(worker_id):
+        return worker_id.replace(".", "_").replace(":", "_")
+
+    held = {}
+    t = threading.Thread(target=lambda: held.update(worker=served(a, prefix + tokens(151, 2 * 16), 3000)))
+    t.start()
+    # A's own gauge says where it went (34 blocks in flight); B must see the same.
+    wait_for(lambda: any(v >= 34 for v in a.worker_gauges("kvroute.active_blocks").values()), what="A's request in flight")
+    busy = next(u for u in ups if a.worker_gauges("kvroute.active_blocks").get(sid(u.id), 0) >= 34)
+    wait_for(lambda: b.worker_gauges("kvroute.peer_active_blocks").get(sid(busy.id), 0) >= 34,
+             what="A's load in B's view")
+    assert served(b, prefix + tokens(152, 2 * 16)) != busy.id, "B went where A's request runs"
+    t.join()
+    assert held["worker"] == busy.id
+    wait_for(lambda: not any(b.worker_gauges("kvroute.peer_active_blocks").values()), what="A's load released in B's view")
+    assert b.stat("kvroute_sync.load_reports_ok") > 0 and b.stat("kvroute_sync.load_reports_failed") == 0
+    assert b.stat("kvroute_sync.peer_gateways") == 1
+    assert sc_b.metric("kvroute_sidecar_load_exchanged_in_total") > 0
+    assert sc_b.metric("kvroute_sidecar_load_gateways") == 2
 
 
 def test_batches_the_stream_did_not_store_are_reported(closing):

@@ -2,7 +2,7 @@
 //! helpers panic on unexpected statuses, and a panic kills the VM, so every call here goes
 //! to `hostcalls` and turns an error into a value.
 
-use kvroute_core::host::{Clock, FeedClient, Host, PollRequest, RequestHeaders, StatId, StatKind, Stats};
+use kvroute_core::host::{Clock, FeedClient, Host, RequestHeaders, SidecarCall, StatId, StatKind, Stats};
 use kvroute_core::store::{SharedStore, StoreError, Versioned};
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::{BufferType, MapType, MetricType, Status};
@@ -68,14 +68,13 @@ impl Stats for WasmHost {
 }
 
 impl FeedClient for WasmHost {
-    fn dispatch_poll(&self, r: &PollRequest<'_>) -> Result<u64, String> {
-        let headers = vec![
-            (":method", "GET"),
-            (":path", r.path),
-            (":authority", r.authority),
-            ("accept", "application/x-kvroute-feed"),
-        ];
-        hostcalls::dispatch_http_call(r.cluster, headers, None, vec![], r.timeout)
+    fn dispatch(&self, r: &SidecarCall<'_>) -> Result<u64, String> {
+        let mut headers =
+            vec![(":method", r.method), (":path", r.path), (":authority", r.authority), ("accept", r.accept)];
+        if r.body.is_some() {
+            headers.push(("content-type", "application/json"));
+        }
+        hostcalls::dispatch_http_call(r.cluster, headers, r.body, vec![], r.timeout)
             .map(u64::from)
             .map_err(|s| format!("{s:?}"))
     }

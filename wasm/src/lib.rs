@@ -59,7 +59,7 @@ impl Root {
                     }
                 }
             }
-            SYNC_ROOT_ID => match SyncService::configure(WasmHost, config) {
+            SYNC_ROOT_ID => match SyncService::configure(WasmHost, config, WasmHost.now_ms()) {
                 Ok(s) => {
                     if proxy_wasm::hostcalls::set_tick_period(sync::TICK).is_err() {
                         log::error!("kvroute-sync: cannot set a tick period");
@@ -93,9 +93,7 @@ impl Context for Root {
 
     fn on_http_call_response(&mut self, token: u32, _n_headers: usize, body_size: usize, _n_trailers: usize) {
         if let Root::Sync(s) = self {
-            s.on_poll_response(u64::from(token), host::http_call_status(), body_size, || {
-                host::http_call_body(body_size)
-            });
+            s.on_response(u64::from(token), host::http_call_status(), body_size, || host::http_call_body(body_size));
         }
     }
 }

@@ -49,6 +49,9 @@ pub struct RelayArgs {
     pub nats_duplicate_window_s: Option<u64>,
     #[arg(long)]
     pub nats_replicas: Option<usize>,
+    /// `file` (default) or `memory` (sidecar/README.md).
+    #[arg(long)]
+    pub nats_storage: Option<String>,
     #[arg(long, default_value_t = 2000)]
     pub replay_timeout_ms: u64,
     #[arg(long, default_value_t = 100_000)]
@@ -66,6 +69,7 @@ impl RelayArgs {
             max_msgs_per_subject: self.nats_max_msgs_per_subject,
             duplicate_window_s: self.nats_duplicate_window_s,
             replicas: self.nats_replicas,
+            storage: self.nats_storage.clone(),
         }
         .settings()
     }
