@@ -94,6 +94,58 @@ def test_a_stream_kept_in_memory(closing):
     assert "exists with Memory storage, not the File configured" in files.logs()
 
 
+def test_a_stream_lost_with_its_server_is_read_anew_once_a_relay_makes_it_again(closing):
+    """A stream kept in memory is gone when its (lone) server restarts. Batches the engine
+    sends meanwhile are not stored; a restarted relay makes the stream again and replays
+    the engine's buffer into it, numbered afresh. The sidecar reads the new stream from its
+    first message, not from where it was in the old one (which here would skip the batch
+    it never saw and clear the worker at the gap): it ends with every block the engine
+    holds."""
+    nats = Nats()
+    closing(nats)
+    e1, e2 = Engine(), Engine()
+    for e in (e1, e2):
+        closing(e.pub)
+
+    def relay():
+        r = Relay(nats.url, e1.http, e1.events, e1.replay,
+                  extra=["--worker", f"{e2.http}={e2.events},replay={e2.replay}", "--nats-storage", "memory"])
+        closing(r)
+        return r
+
+    first = relay()
+    sc = nats_sidecar(nats, [e1, e2], nats_storage="memory")
+    closing(sc)
+    time.sleep(0.3)  # ZMQ's slow joiner
+    # e2's batch first, then e1's three: e1's next stream position (5) is past where a
+    # replay puts e1's batches.
+    x = tokens(70, 2 * 16)
+    e2.store(x)
+    wait_for(lambda: blocks(sc, e2) == set(feed_blocks(x)), what="e2's batch")
+    chains = [tokens(71 + i, 2 * 16) for i in range(5)]
+    for c in chains[:3]:
+        e1.store(c)
+    held = set()
+    for c in chains[:3]:
+        held |= set(feed_blocks(c))
+    wait_for(lambda: blocks(sc, e1) == held, what="e1's three batches")
+
+    nats.crash()
+    nats.start()
+    e1.store(chains[3])  # not stored: no stream
+    wait_for(lambda: "not stored" in first.logs(), timeout=20, what="the relay to report the lost batch")
+    first.stop()
+    relay()
+    wait_for(lambda: nats.stream_info() and nats.stream_info()["messages"] >= 5, timeout=20,
+             what="the engines' buffers replayed into a new stream")
+    e1.store(chains[4])
+    want = held | set(feed_blocks(chains[3])) | set(feed_blocks(chains[4]))
+    wait_for(lambda: blocks(sc, e1) == want, timeout=20, what="every batch of e1, the lost one too")
+    assert blocks(sc, e2) == set(feed_blocks(x))
+    assert sc.metric('kvroute_sidecar_resets_total{reason="gap_not_replayed"}') == 0
+    assert "stream made anew" in sc.logs()
+
+
 def test_a_relay_restart_loses_nothing_and_duplicates_nothing(closing):
     """The relay dies; the engine goes on. The restarted relay continues after the last
     batch the stream holds, from the engine's replay socket: every batch is in the stream

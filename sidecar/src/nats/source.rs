@@ -108,7 +108,10 @@ impl Drop for NatsSource {
 /// One subject, in order, from the stream's first message, for as long as the stream is
 /// kept. A consumer that fails (the server restarted, the connection dropped longer than
 /// the ordered consumer's own recovery) is made again from the message after the last
-/// one read, so nothing is read twice or skipped.
+/// one read, so nothing is read twice or skipped. A stream made anew meanwhile (a server
+/// that kept it in memory restarted, or someone deleted it; a relay then creates it again)
+/// numbers its messages afresh: that one is read from its first message, since resuming
+/// at the old position could skip batches this sidecar never saw.
 async fn consume(
     stream: async_nats::jetstream::stream::Stream,
     subject: String,
@@ -118,9 +121,18 @@ async fn consume(
 ) {
     use futures_util::StreamExt;
     let mut next: u64 = 0; // the stream sequence to start at; 0: from the first
+    let mut created = stream.cached_info().created;
     let mut backoff = Duration::from_millis(200);
     let mut failures: u64 = 0;
     loop {
+        if next > 0 {
+            if let Ok(info) = stream.get_info().await {
+                if info.created != created {
+                    log::warn!("{label}: stream made anew since sequence {next}; reading {subject} from its start");
+                    (created, next) = (info.created, 0);
+                }
+            }
+        }
         let config = pull::OrderedConfig {
             filter_subject: subject.clone(),
             deliver_policy: if next == 0 {
