@@ -227,8 +227,14 @@ impl<H: Host + FeedClient> SyncService<H> {
         if self.in_flight.is_none() && now >= self.next_poll_ms {
             self.poll();
         }
-        self.share_load(now);
-        self.publish_load();
+        // Read once a tick: for the gauges, and for the report when one is due.
+        let load = match self.host.store().get(LOAD_KEY) {
+            Ok((Some(v), _)) => LoadVector::decode(&v),
+            // No value yet (no request routed): every worker's load is 0.
+            _ => LoadVector::default(),
+        };
+        self.share_load(now, &load);
+        self.publish_load(&load, now);
     }
 
     /// This gateway's name in its load reports.
@@ -238,7 +244,7 @@ impl<H: Host + FeedClient> SyncService<H> {
 
     /// Sends this gateway's load to the sidecar when the interval has passed, and stops
     /// counting the other gateways' when no answer came for ten intervals (at least 1 s).
-    fn share_load(&mut self, now: u64) {
+    fn share_load(&mut self, now: u64, load: &LoadVector) {
         let interval = self.cfg.load_report_interval_ms;
         if interval == 0 {
             return;
@@ -257,11 +263,7 @@ impl<H: Host + FeedClient> SyncService<H> {
             return;
         }
         self.load_share.next_ms = now + interval;
-        let load = match self.host.store().get(LOAD_KEY) {
-            Ok((Some(v), _)) => LoadVector::decode(&v),
-            _ => LoadVector::default(),
-        };
-        let body = Report::of(&self.load_share.gateway, self.index.slots(), &load, prefill_epoch(now)).encode();
+        let body = Report::of(&self.load_share.gateway, self.index.slots(), load, prefill_epoch(now)).encode();
         let call = SidecarCall {
             cluster: &self.cfg.feed_cluster,
             authority: &self.cfg.feed_authority,
@@ -333,13 +335,8 @@ impl<H: Host + FeedClient> SyncService<H> {
 
     /// Mirrors the load vector and the index's per-worker counts into per-worker gauges,
     /// for operators and tests.
-    fn publish_load(&mut self) {
-        // No value yet (no request routed): every worker's load is 0.
-        let load = match self.host.store().get(LOAD_KEY) {
-            Ok((Some(v), _)) => LoadVector::decode(&v),
-            _ => LoadVector::default(),
-        };
-        let epoch = prefill_epoch(self.host.now_ms());
+    fn publish_load(&mut self, load: &LoadVector, now: u64) {
+        let epoch = prefill_epoch(now);
         for (slot, w) in self.index.slots().iter().enumerate() {
             if slot == self.worker_gauges.len() {
                 let gauge = |name: &str| Gauge::define_for_worker(&self.host, name, &w.id);

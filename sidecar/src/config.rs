@@ -341,7 +341,7 @@ fn load_exchange(file: &FileConfig, transport: &Transport) -> Result<Option<Load
         }
         ("none", _) => Ok(None),
         ("nats", Transport::Nats(n)) => {
-            let tokens_ok = subject.split('.').all(|t| !t.is_empty() && !t.contains([' ', '*', '>']));
+            let tokens_ok = subject.split('.').all(crate::nats::valid_token);
             let in_stream = subject == n.subject_prefix || subject.starts_with(&format!("{}.", n.subject_prefix));
             if !tokens_ok || in_stream {
                 return Err(format!(

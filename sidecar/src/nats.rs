@@ -119,7 +119,8 @@ impl NatsKeys {
     }
 }
 
-fn valid_token(t: &str) -> bool {
+/// One subject token: not empty, no whitespace, wildcard or separator.
+pub(crate) fn valid_token(t: &str) -> bool {
     !t.is_empty() && !t.contains(|c: char| c.is_whitespace() || c == '*' || c == '>' || c == '.')
 }
 

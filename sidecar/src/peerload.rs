@@ -132,13 +132,13 @@ pub fn lock(loads: &Mutex<PeerLoads>) -> MutexGuard<'_, PeerLoads> {
 
 /// Where a report goes after it is kept here: to the exchange, if there is one.
 #[derive(Clone)]
-pub struct Publisher(Option<mpsc::Sender<Vec<u8>>>);
+pub struct Publisher(Option<mpsc::Sender<bytes::Bytes>>);
 
 impl Publisher {
     pub const NONE: Publisher = Publisher(None);
 
     /// Queues a report's bytes; `false` if it was dropped.
-    pub fn publish(&self, bytes: Vec<u8>) -> bool {
+    pub fn publish(&self, bytes: bytes::Bytes) -> bool {
         self.0.as_ref().is_none_or(|tx| tx.try_send(bytes).is_ok())
     }
 }
@@ -152,7 +152,7 @@ pub fn start_exchange(exchange: &LoadExchange, loads: Arc<Mutex<PeerLoads>>) -> 
     Publisher(Some(tx))
 }
 
-async fn run_exchange(exchange: LoadExchange, loads: Arc<Mutex<PeerLoads>>, mut rx: mpsc::Receiver<Vec<u8>>) {
+async fn run_exchange(exchange: LoadExchange, loads: Arc<Mutex<PeerLoads>>, mut rx: mpsc::Receiver<bytes::Bytes>) {
     let connect = async_nats::ConnectOptions::new()
         .name("kvroute-sidecar load exchange")
         // Our own reports are kept when they are sent; their echo would only be work.
@@ -184,7 +184,7 @@ async fn run_exchange(exchange: LoadExchange, loads: Arc<Mutex<PeerLoads>>, mut 
         tokio::select! {
             out = rx.recv() => {
                 let Some(bytes) = out else { return };
-                let sent = client.publish(exchange.subject.clone(), bytes.into()).await.is_ok();
+                let sent = client.publish(exchange.subject.clone(), bytes).await.is_ok();
                 let mut l = lock(&loads);
                 if sent { l.stats.exchanged_out += 1 } else { l.stats.exchanged_dropped += 1 }
             }

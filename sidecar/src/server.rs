@@ -125,13 +125,14 @@ async fn load(app: &App, req: Request<Incoming>) -> Resp {
         return error(StatusCode::METHOD_NOT_ALLOWED, "only POST");
     }
     let body = http_body_util::Limited::new(req.into_body(), MAX_REPORT_BYTES).collect().await;
-    let report =
-        body.map_err(|e| format!("request body: {e}")).and_then(|b| kvroute::peerload::Report::decode(&b.to_bytes()));
     let now = Instant::now();
     let mut loads = crate::peerload::lock(&app.loads);
-    let kept = report.and_then(|r| {
-        let (gateway, bytes) = (r.gateway.clone(), r.encode());
-        loads.put(r, now).map(|()| (gateway, bytes))
+    // What other sidecars get is the report as it came, once it decoded and was kept.
+    let kept = body.map_err(|e| format!("request body: {e}")).and_then(|b| {
+        let bytes = b.to_bytes();
+        let report = kvroute::peerload::Report::decode(&bytes)?;
+        let gateway = report.gateway.clone();
+        loads.put(report, now).map(|()| (gateway, bytes))
     });
     match kept {
         Ok((gateway, bytes)) => {
