@@ -13,9 +13,11 @@ def test_a_short_soak_loses_nothing_and_fails_no_request_it_should_not(build):
     args = soak.parser().parse_args(["--seconds", "40", "--engines", "3", "--clients", "4", "--build", build,
                                      "--gap-min", "0.5", "--gap-max", "1.5", "--churn-blocks", "200000",
                                      "--churn-rate", "40000", "--log-max-blocks", "50000", "--seed", "7",
-                                     # ~9 s of an engine's batches: the sidecar's restarts come
-                                     # after the engines outgrew it, as a long run's do.
-                                     "--buffer-steps", "500"])
+                                     # ~8 s of an engine's batches (~30 a second here): the soak
+                                     # puts a round's sidecar kill after the other faults until
+                                     # an engine outgrew it, while a restart's gap (down <= 1.5 s
+                                     # plus a checkpoint's age) stays well inside it.
+                                     "--buffer-steps", "250"])
     r = soak.run(args)
     print(r)
     assert r["violations"] == []
