@@ -118,6 +118,18 @@ impl Sequencer {
         self.expected = Some(seq.wrapping_add(1));
     }
 
+    /// Forgets where the stream was and continues after `seq` (from nothing: `None`),
+    /// ending a replay under way and dropping the live batches it held: the relay's
+    /// resync, whose next [`Sequencer::replay_now`] asks the engine for all of them again.
+    pub fn restart_after(&mut self, seq: Option<u64>, sink: &mut dyn Sink) {
+        if self.replay.take().is_some() {
+            sink.end_replay();
+        }
+        self.pending.clear();
+        self.recent.clear();
+        self.expected = seq.map(|s| s.wrapping_add(1));
+    }
+
     /// Asks for everything from the next expected batch (from the first, if none was
     /// seen) without waiting for a live batch to show the gap: a relay that starts while
     /// its engine is idle catches up at once.
@@ -437,6 +449,33 @@ mod tests {
         }
         assert_eq!(k.did, [Apply(0), Apply(1), Apply(2)]);
         assert!(!q.replaying());
+    }
+
+    #[test]
+    fn a_restart_ends_the_replay_drops_what_it_held_and_asks_again() {
+        let (mut q, mut k, t) = (seq(8), sink(true), Instant::now());
+        q.live(0, vec![0], t, &mut k);
+        q.live(3, vec![0], t, &mut k); // a gap: replaying from 1, 3 held
+        q.restart_after(Some(0), &mut k);
+        assert!(!q.replaying());
+        q.replay_now(t, &mut k);
+        for r in [batch(1), batch(2), batch(3), ReplayReply::End] {
+            q.replay_reply(r, t, &mut k);
+        }
+        q.live(4, vec![0], t, &mut k);
+        // 3 once: the held copy went with the restart.
+        let after_restart =
+            [EndReplay, Replay(1), Apply(1), Apply(2), Apply(3), EndReplay, Counted(Count::ReplayOk), Apply(4)];
+        assert_eq!(k.did[3..], after_restart);
+
+        // From nothing (a stream made anew): a catch-up from 0, whose buffer may start later.
+        let mut k = sink(true);
+        q.restart_after(None, &mut k);
+        q.replay_now(t, &mut k);
+        for r in [batch(2), batch(3), batch(4), ReplayReply::End] {
+            q.replay_reply(r, t, &mut k);
+        }
+        assert_eq!(k.did, [Replay(0), Apply(2), Apply(3), Apply(4), EndReplay, Counted(Count::ReplayOk)]);
     }
 
     #[test]

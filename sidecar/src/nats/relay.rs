@@ -10,6 +10,14 @@
 //!
 //! A gap the engine cannot replay, or an engine restart, is passed on as it is: every
 //! sidecar sees the same jump and clears the worker's rank the same way.
+//!
+//! A batch JetStream did not take because the stream is gone (a memory stream whose lone
+//! server restarted, a stream deleted) or did not answer in time starts a *resync*: the
+//! relay makes the stream again if it must, reads what it holds as on start, and asks each
+//! engine again for everything after that. Batches already on their way to the publisher
+//! are dropped (the replay carries them, in order), so a stream made anew holds the
+//! engines' buffers in order and sidecars that read it from its first message lose only
+//! what those buffers no longer reach.
 
 use super::{msg_id, seq_of, subject, NatsKeys, NatsSettings, SEQ_HEADER};
 use crate::config::{parse_worker_flag, worker, WorkerConfig};
@@ -97,7 +105,20 @@ struct Counters {
     replays_ok: AtomicU64,
     replays_failed: AtomicU64,
     frames_bad: AtomicU64,
+    resyncs: AtomicU64,
 }
+
+/// Between the relay's loop and its publisher: the resync epoch, and the publisher's call
+/// for a resync.
+#[derive(Default)]
+struct Resync {
+    /// Batches made before the current epoch are not published.
+    epoch: AtomicU64,
+    wanted: AtomicBool,
+}
+
+/// No more than one resync a second while the stream stays unreachable.
+const RESYNC_INTERVAL: Duration = Duration::from_secs(1);
 
 /// Runs the relay until SIGTERM/SIGINT; the process's exit status.
 pub fn main(args: RelayArgs) -> i32 {
@@ -116,6 +137,7 @@ struct Outgoing {
     id: String,
     seq: u64,
     payload: Vec<u8>,
+    epoch: u64,
 }
 
 fn run(args: RelayArgs) -> Result<(), String> {
@@ -123,22 +145,16 @@ fn run(args: RelayArgs) -> Result<(), String> {
     let workers = args.workers()?;
     let specs: Vec<StreamSpec> = workers.iter().enumerate().flat_map(|(k, w)| worker_streams(k as u32, w)).collect();
     let (rt, js, stream) = super::open(&settings)?;
-    let last: Vec<(String, Option<u64>)> = rt.block_on(async {
-        let mut last = Vec::new();
-        for spec in &specs {
-            let subj = subject(&settings.subject_prefix, &spec.worker_id, spec.rank as u32);
-            // Not found (a new worker, or history past the stream's limits): start fresh.
-            let seq = stream.get_last_raw_message_by_subject(&subj).await.ok().and_then(|m| seq_of(Some(&m.headers)));
-            last.push((subj, seq));
-        }
-        last
-    });
+    let subjects: Vec<String> =
+        specs.iter().map(|spec| subject(&settings.subject_prefix, &spec.worker_id, spec.rank as u32)).collect();
+    let last = rt.block_on(stored_up_to(&stream, &subjects));
 
     let counters = Arc::new(Counters::default());
     // One message per turn of the loop (all it took from the engines): one wake-up of the
     // publisher per turn, not per batch. Full (64 turns queued): the loop waits.
     let (tx, rx) = mpsc::channel::<Vec<Outgoing>>(64);
-    let publisher = rt.spawn(publish(js, rx, counters.clone()));
+    let resync = Arc::new(Resync::default());
+    let publisher = rt.spawn(publish(js.clone(), rx, counters.clone(), resync.clone()));
     let stop = Arc::new(AtomicBool::new(false));
     {
         let stop = stop.clone();
@@ -152,7 +168,7 @@ fn run(args: RelayArgs) -> Result<(), String> {
     let replay_timeout = Duration::from_millis(args.replay_timeout_ms.max(1));
     let sequencers: Vec<(Sequencer, String)> = specs
         .iter()
-        .zip(&last)
+        .zip(subjects.iter().zip(&last))
         .map(|(spec, (subj, seq))| {
             let mut q = Sequencer::new(spec.label.clone(), args.max_pending_batches.max(1), replay_timeout);
             match seq {
@@ -165,7 +181,7 @@ fn run(args: RelayArgs) -> Result<(), String> {
             (q, subj.clone())
         })
         .collect();
-    let mut relay = Streams { sequencers, specs, source, out: Vec::new(), counters: counters.clone() };
+    let mut relay = Streams { sequencers, specs, source, out: Vec::new(), counters: counters.clone(), epoch: 0 };
     // Catch up now: what the engine sent while no relay ran (or before this one started).
     for i in 0..relay.specs.len() {
         relay.with(i, |q, sink| q.replay_now(Instant::now(), sink));
@@ -173,7 +189,35 @@ fn run(args: RelayArgs) -> Result<(), String> {
     log::info!("relaying {} streams to NATS stream {} at {}", relay.specs.len(), settings.stream, settings.url);
 
     let mut reported = Instant::now();
+    let mut resynced = Instant::now() - RESYNC_INTERVAL;
     while !stop.load(Ordering::Relaxed) {
+        if resync.wanted.load(Ordering::Relaxed) && resynced.elapsed() >= RESYNC_INTERVAL {
+            resynced = Instant::now();
+            // From here the publisher drops what is on its way: the replay carries it.
+            relay.epoch += 1;
+            resync.epoch.store(relay.epoch, Ordering::Relaxed);
+            resync.wanted.store(false, Ordering::Relaxed);
+            match rt.block_on(async {
+                let stream = super::ensure_stream(&js, &settings).await?;
+                Ok::<_, String>(stored_up_to(&stream, &subjects).await)
+            }) {
+                Ok(last) => {
+                    counters.resyncs.fetch_add(1, Ordering::Relaxed);
+                    log::warn!("resync: the stream {} is back; asking the engines for what it lacks", settings.stream);
+                    let now = Instant::now();
+                    for (i, seq) in last.into_iter().enumerate() {
+                        relay.with(i, |q, sink| {
+                            q.restart_after(seq, sink);
+                            q.replay_now(now, sink);
+                        });
+                    }
+                }
+                Err(e) => {
+                    log::warn!("resync: {e}; trying again");
+                    resync.wanted.store(true, Ordering::Relaxed);
+                }
+            }
+        }
         for (i, arrival) in relay.source.poll(POLL_INTERVAL) {
             let now = Instant::now();
             relay.with(i, |q, sink| match arrival {
@@ -213,32 +257,49 @@ impl Counters {
     fn line(&self) -> String {
         let g = |c: &AtomicU64| c.load(Ordering::Relaxed);
         format!(
-            "published {} (duplicates dropped by the stream {}, failed {}), gaps {}, replays ok {} failed {}, bad frames {}",
+            "published {} (duplicates dropped by the stream {}, failed {}), gaps {}, replays ok {} failed {}, bad frames {}, \
+             resyncs {}",
             g(&self.published),
             g(&self.duplicates),
             g(&self.failed),
             g(&self.gaps),
             g(&self.replays_ok),
             g(&self.replays_failed),
-            g(&self.frames_bad)
+            g(&self.frames_bad),
+            g(&self.resyncs)
         )
     }
 }
 
+/// The last batch the stream holds for each subject (`None`: nothing, a new worker or a
+/// new stream, or history past the stream's limits).
+async fn stored_up_to(stream: &async_nats::jetstream::stream::Stream, subjects: &[String]) -> Vec<Option<u64>> {
+    let mut last = Vec::with_capacity(subjects.len());
+    for subj in subjects {
+        last.push(stream.get_last_raw_message_by_subject(subj).await.ok().and_then(|m| seq_of(Some(&m.headers))));
+    }
+    last
+}
+
 /// Publishes in arrival order, many in flight; acknowledgements are awaited in order by a
 /// second task, so a slow ack never holds up the next publish.
-async fn publish(js: async_nats::jetstream::Context, mut rx: mpsc::Receiver<Vec<Outgoing>>, counters: Arc<Counters>) {
-    type Ack = (u64, async_nats::jetstream::context::PublishAckFuture);
+async fn publish(
+    js: async_nats::jetstream::Context,
+    mut rx: mpsc::Receiver<Vec<Outgoing>>,
+    counters: Arc<Counters>,
+    resync: Arc<Resync>,
+) {
+    type Ack = (u64, u64, async_nats::jetstream::context::PublishAckFuture);
     let (ack_tx, mut ack_rx) = mpsc::channel::<Vec<Ack>>(64);
     let acks = {
-        let counters = counters.clone();
+        let (counters, resync) = (counters.clone(), resync.clone());
         tokio::spawn(async move {
             while let Some(turn) = ack_rx.recv().await {
-                for (seq, ack) in turn {
+                for (seq, epoch, ack) in turn {
                     match ack.await {
                         Ok(a) if a.duplicate => _ = counters.duplicates.fetch_add(1, Ordering::Relaxed),
                         Ok(_) => _ = counters.published.fetch_add(1, Ordering::Relaxed),
-                        Err(e) => failed(&counters, seq, &e.to_string()),
+                        Err(e) => failed(&counters, &resync, seq, epoch, &e),
                     }
                 }
             }
@@ -247,13 +308,16 @@ async fn publish(js: async_nats::jetstream::Context, mut rx: mpsc::Receiver<Vec<
     while let Some(turn) = rx.recv().await {
         let mut pending = Vec::with_capacity(turn.len());
         for m in turn {
+            if m.epoch != resync.epoch.load(Ordering::Relaxed) {
+                continue; // made before a resync, whose replay carries it
+            }
             let msg = async_nats::jetstream::message::PublishMessage::build()
                 .payload(m.payload.into())
                 .message_id(&m.id)
                 .header(SEQ_HEADER, m.seq.to_string().as_str());
             match js.send_publish(m.subject, msg).await {
-                Ok(ack) => pending.push((m.seq, ack)),
-                Err(e) => failed(&counters, m.seq, &e.to_string()),
+                Ok(ack) => pending.push((m.seq, m.epoch, ack)),
+                Err(e) => failed(&counters, &resync, m.seq, m.epoch, &e),
             }
         }
         if ack_tx.send(pending).await.is_err() {
@@ -264,11 +328,25 @@ async fn publish(js: async_nats::jetstream::Context, mut rx: mpsc::Receiver<Vec<
     let _ = acks.await;
 }
 
-/// A batch JetStream did not take: the sidecars will see its gap and clear that rank.
-fn failed(counters: &Counters, seq: u64, e: &str) {
+/// A batch JetStream did not take. The stream gone or silent: a resync (once per epoch)
+/// publishes it again. Refused (too large, say): the sidecars will see its gap and clear
+/// that rank.
+fn failed(
+    counters: &Counters,
+    resync: &Resync,
+    seq: u64,
+    epoch: u64,
+    e: &async_nats::jetstream::context::PublishError,
+) {
+    use async_nats::jetstream::context::PublishErrorKind as Kind;
     let n = counters.failed.fetch_add(1, Ordering::Relaxed) + 1;
+    let again = matches!(e.kind(), Kind::StreamNotFound | Kind::TimedOut | Kind::BrokenPipe);
+    if again && epoch == resync.epoch.load(Ordering::Relaxed) {
+        resync.wanted.store(true, Ordering::Relaxed);
+    }
     if n.is_power_of_two() {
-        log::error!("batch {seq} not stored: {e}; readers will clear at the gap (#{n})");
+        let then = if again { "the relay resyncs" } else { "readers will clear at the gap" };
+        log::error!("batch {seq} not stored: {e}; {then} (#{n})");
     }
 }
 
@@ -280,6 +358,8 @@ struct Streams {
     source: ZmqSource,
     out: Vec<Outgoing>,
     counters: Arc<Counters>,
+    /// The resync epoch this turn's batches belong to.
+    epoch: u64,
 }
 
 impl Streams {
@@ -293,6 +373,7 @@ impl Streams {
             stream: i,
             source: &mut self.source,
             counters: &self.counters,
+            epoch: self.epoch,
         };
         f(q, &mut sink);
     }
@@ -307,6 +388,7 @@ struct RelaySink<'a> {
     stream: usize,
     source: &'a mut ZmqSource,
     counters: &'a Counters,
+    epoch: u64,
 }
 
 impl Sink for RelaySink<'_> {
@@ -316,6 +398,7 @@ impl Sink for RelaySink<'_> {
             id: msg_id(&self.spec.worker_id, self.spec.rank as u32, seq, payload),
             seq,
             payload: payload.to_vec(),
+            epoch: self.epoch,
         });
         Ok(())
     }
