@@ -169,6 +169,9 @@ def run(transport, args):
         applied = sidecar.metric("kvroute_sidecar_blocks_stored_total") - m0
         cpu = [p.cpu_seconds() - c for p, c in zip(path, cpu0)]
         stream = nats.stream_info() if nats else None
+        # A resync (the relay re-publishing after a batch the stream did not take) would
+        # be part of what was measured: say so.
+        resyncs = relay.logs().count("resync: the stream") if nats else None
     finally:
         stop.set()
         envoy.stop()
@@ -194,6 +197,7 @@ def run(transport, args):
     }
     if stream:
         result["stream_bytes_per_stored_block"] = round(stream["bytes"] / max(1, sent[0]), 1)
+        result["relay_resyncs"] = resyncs
     print(json.dumps(result, indent=1), flush=True)
     return result
 
