@@ -86,6 +86,7 @@ pub struct Key {
 
 /// The keys of `hashes × slots`, once each, in (hash, slot) order; both inputs sorted.
 pub fn keys(hashes: &[u64], slots: &[u16], out: &mut Vec<Key>) {
+    out.reserve(hashes.len() * slots.len());
     for &hash in hashes {
         out.extend(slots.iter().map(|&slot| Key { hash, slot, count: 1 }));
     }

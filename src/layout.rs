@@ -36,7 +36,21 @@ pub const DEFAULT_BUCKETS: u32 = 16384;
 
 /// Key of bucket `b`.
 pub fn bucket_key(b: u32) -> String {
-    format!("{BUCKET_KEY_PREFIX}{b}")
+    // Three of these a routing decision: without the formatting machinery.
+    let mut digits = [0u8; 10];
+    let (mut i, mut n) = (digits.len(), b);
+    loop {
+        i -= 1;
+        digits[i] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    let mut key = String::with_capacity(BUCKET_KEY_PREFIX.len() + digits.len() - i);
+    key.push_str(BUCKET_KEY_PREFIX);
+    key.extend(digits[i..].iter().map(|&d| char::from(d)));
+    key
 }
 
 /// Bucket of a segment anchor. `n_buckets` is a power of two (checked at configuration).
@@ -391,7 +405,15 @@ pub(crate) fn decode_slot_records<const N: usize, T>(bytes: &[u8], record: impl 
 
 /// The inverse of [`decode_slot_records`].
 pub(crate) fn encode_slot_records<const N: usize, T>(records: &[T], fields: impl Fn(&T) -> [u32; N]) -> Vec<u8> {
-    records.iter().flat_map(|r| fields(r).into_iter().flat_map(u32::to_le_bytes)).collect()
+    // Sized up front: a nested iterator collects with no size hint, growing by copies (the
+    // load vector is written twice a request).
+    let mut out = Vec::with_capacity(records.len() * 4 * N);
+    for r in records {
+        for v in fields(r) {
+            out.extend_from_slice(&v.to_le_bytes());
+        }
+    }
+    out
 }
 
 /// `slot`'s record, the vector grown with empty records up to it; `None` past [`MAX_SLOTS`].
@@ -776,8 +798,16 @@ pub fn fly_raw_of(entries: &[FlyEntry]) -> Vec<u8> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
     #[cfg(target_arch = "wasm32")]
     use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    #[test]
+    fn bucket_keys_are_the_prefix_and_the_decimal_number() {
+        for b in [0u32, 7, 10, 16383, 1 << 20, u32::MAX] {
+            assert_eq!(bucket_key(b), format!("kvroute.b.{b}"));
+        }
+    }
 
     #[test]
     fn table_round_trip_and_rejects_garbage() {

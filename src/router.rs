@@ -11,7 +11,7 @@ use crate::hash::{block_hashes_le, segments};
 use crate::inflight::{self, ActiveDelta, Change};
 use crate::layout::{
     begin_bucket, bucket_key, bucket_of, finish_bucket, prefill_epoch, Bucket, CachedBlocks, LoadVector, PrefillChange,
-    SlotState, WorkerTable, CACHED_KEY, LOAD_KEY, TABLE_KEY,
+    SlotState, WorkerTable, CACHED_KEY, FLY_ENTRY, LOAD_KEY, TABLE_KEY,
 };
 use crate::peerload::{PeerLoad, PEERLOAD_KEY};
 use crate::role::Role;
@@ -889,7 +889,8 @@ fn update_bucket(
             // This writer's turn to sweep the whole bucket.
             sweep_at = now_ms.saturating_add(inflight::SWEEP_INTERVAL_MS);
         }
-        let mut out = Vec::new();
+        // One allocation: growing from empty copied the index part several times over.
+        let mut out = Vec::with_capacity(value.len() + keys.len() * FLY_ENTRY);
         begin_bucket(&mut out, bucket.index_part(), sweep_at);
         let (n, delta) = if sweep {
             swept.clear();

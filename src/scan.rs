@@ -7,14 +7,14 @@
 //! memory already in cache, instead of a binary search from scratch per block. The
 //! per-block holder sets, kept as bitmasks over the (at most 64) candidates still in the
 //! running, are then replayed in position order to find where each candidate drops out.
-//! With more than 64 candidates, or a short segment, the per-block binary-search path is
-//! used.
+//! A short segment is looked up in position order, a binary search per block (sorting it
+//! would cost more than the gallop saves), into the same bitmasks. With more than 64
+//! candidates, the per-block path over whole slot sets is used.
 
-use crate::layout::{gallop, le_u64, Bucket, FLY_ENTRY};
+use crate::layout::{gallop, le_u64, lower_bound, Bucket, FLY_ENTRY};
 use crate::slots::{SlotSet, MAX_SLOTS};
 
-/// Below this many blocks the sorted scan's setup costs more than the binary searches it
-/// saves.
+/// Below this many blocks sorting them costs more than the binary searches it saves.
 const SORTED_SCAN_MIN_BLOCKS: usize = 64;
 
 /// What the scan of a request's segments has found so far, per slot (indexed by slot).
@@ -93,7 +93,7 @@ fn set_at(v: &mut [u32], slot: usize, pos: usize) {
 pub fn scan_segment(bucket: &Bucket<'_>, hashes: &[u64], start: usize, now_ms: u64, with_fly: bool, scan: &mut Scan) {
     let mut candidates: Vec<usize> = scan.holding.iter().collect();
     candidates.extend(scan.carrying.union(&scan.indexed).difference(&scan.holding).iter());
-    if candidates.len() > 64 || hashes.len() < SORTED_SCAN_MIN_BLOCKS {
+    if candidates.len() > 64 {
         return scan_by_position(bucket, hashes, start, now_ms, with_fly, scan);
     }
     // slot → bit among the candidates.
@@ -110,7 +110,10 @@ pub fn scan_segment(bucket: &Bucket<'_>, hashes: &[u64], start: usize, now_ms: u
     let bits_of = |set: &SlotSet| set.iter().fold(0u64, |m, s| m | compact(s));
 
     let mut order: Vec<u32> = (0..hashes.len() as u32).collect();
-    order.sort_unstable_by_key(|&i| hashes[i as usize]);
+    let sorted = hashes.len() >= SORTED_SCAN_MIN_BLOCKS;
+    if sorted {
+        order.sort_unstable_by_key(|&i| hashes[i as usize]);
+    }
     let compact_mask = |mask: &[u8]| -> u64 {
         let mut bits = 0u64;
         for (w, word) in mask.chunks_exact(8).enumerate() {
@@ -140,7 +143,8 @@ pub fn scan_segment(bucket: &Bucket<'_>, hashes: &[u64], start: usize, now_ms: u
         let mut idx_bits = 0u64;
         let mut off_bits = 0u64;
         let mut fly_bits = 0u64;
-        i_idx = gallop(i_idx, n_idx, |k| le_u64(&idx[k * stride..]) < hash);
+        let idx_before = |k: usize| le_u64(&idx[k * stride..]) < hash;
+        i_idx = if sorted { gallop(i_idx, n_idx, idx_before) } else { lower_bound(0, n_idx, idx_before) };
         if i_idx < n_idx && le_u64(&idx[i_idx * stride..]) == hash {
             let (mask, off) = bucket.masks_at(i_idx);
             idx_bits = compact_mask(mask);
@@ -149,7 +153,8 @@ pub fn scan_segment(bucket: &Bucket<'_>, hashes: &[u64], start: usize, now_ms: u
             }
         }
         if look_at_fly {
-            i_fly = gallop(i_fly, n_fly, |k| le_u64(&fly[k * FLY_ENTRY..]) < hash);
+            let fly_before = |k: usize| le_u64(&fly[k * FLY_ENTRY..]) < hash;
+            i_fly = if sorted { gallop(i_fly, n_fly, fly_before) } else { lower_bound(0, n_fly, fly_before) };
         }
         let mut k = if look_at_fly { i_fly } else { n_fly };
         while k < n_fly {
@@ -230,8 +235,12 @@ fn scan_by_position(bucket: &Bucket<'_>, hashes: &[u64], start: usize, now_ms: u
         let held = if with_fly { in_index.union(&live) } else { in_index };
         let narrow = |running: &mut SlotSet, still: SlotSet, out: &mut [u32]| {
             let still = running.intersection(&still);
-            for slot in running.difference(&still).iter() {
-                set_at(out, slot, pos);
+            // Most blocks drop no slot: skip the walk over an empty set.
+            let dropped = running.difference(&still);
+            if !dropped.is_empty() {
+                for slot in dropped.iter() {
+                    set_at(out, slot, pos);
+                }
             }
             *running = still;
         };
@@ -430,19 +439,29 @@ mod tests {
     }
 
     #[test]
-    fn both_paths_agree() {
-        // 100 candidates forces the per-position path; compare with the sorted path on
-        // the same data through subsets of at most 64.
+    fn every_path_agrees() {
+        // 100 candidates force the per-position path over slot sets; compare with the
+        // bitmask paths (sorted at 90 blocks, in position order at 40 and 20) on the same
+        // data through subsets of at most 64: hits, blocks in flight, blocks in the index.
         let holds = |p: usize| (0..100).filter(|s| p < (s * 7) % 90).collect::<Vec<usize>>();
-        let bytes = bucket_bytes(90, 2, holds, |p| if p < 30 { vec![99] } else { vec![] });
+        let flies = |p: usize| (0..100u16).filter(|s| p < (usize::from(*s) * 11) % 95).collect::<Vec<u16>>();
+        let predicted = |p: usize| if p < 30 { vec![99] } else { vec![] };
+        let bytes = general_bucket_bytes(90, 2, holds, |_| vec![], flies, predicted);
         let all: Vec<usize> = (0..100).collect();
-        let (alive_big, hits_big) = run(&bytes, 90, &all, true);
-        for chunk in all.chunks(50) {
-            let (alive, hits) = run(&bytes, 90, chunk, true);
-            for &s in chunk {
-                assert_eq!(alive.contains(&s), alive_big.contains(&s), "slot {s}");
-                if !alive.contains(&s) {
-                    assert_eq!(hits[s], hits_big[s], "slot {s}");
+        for n in [90, 40, 20] {
+            let big = scan_of(&bytes, n, 32, &all, &all, true);
+            for chunk in all.chunks(50) {
+                let small = scan_of(&bytes, n, 32, chunk, chunk, true);
+                for &s in chunk {
+                    let what = format!("slot {s}, {n} blocks");
+                    assert_eq!(small.holding.contains(s), big.holding.contains(s), "{what}");
+                    assert_eq!(small.carrying.contains(s), big.carrying.contains(s), "{what}");
+                    assert_eq!(small.indexed.contains(s), big.indexed.contains(s), "{what}");
+                    assert_eq!(
+                        (small.hits[s], small.in_flight[s], small.in_index[s]),
+                        (big.hits[s], big.in_flight[s], big.in_index[s]),
+                        "{what}"
+                    );
                 }
             }
         }
