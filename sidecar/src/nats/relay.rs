@@ -189,10 +189,10 @@ fn run(args: RelayArgs) -> Result<(), String> {
     log::info!("relaying {} streams to NATS stream {} at {}", relay.specs.len(), settings.stream, settings.url);
 
     let mut reported = Instant::now();
-    let mut resynced = Instant::now() - RESYNC_INTERVAL;
+    let mut resynced: Option<Instant> = None;
     while !stop.load(Ordering::Relaxed) {
-        if resync.wanted.load(Ordering::Relaxed) && resynced.elapsed() >= RESYNC_INTERVAL {
-            resynced = Instant::now();
+        if resync.wanted.load(Ordering::Relaxed) && resynced.is_none_or(|t| t.elapsed() >= RESYNC_INTERVAL) {
+            resynced = Some(Instant::now());
             // From here the publisher drops what is on its way: the replay carries it.
             relay.epoch += 1;
             resync.epoch.store(relay.epoch, Ordering::Relaxed);
