@@ -26,8 +26,8 @@ import urllib.request
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from harness import (FLEET, TOKENIZER_DIR, Envoy, Processes, Tokenizer, render_config, reset_fleet,  # noqa: E402
-                     start_fleet, wait_synced)
+from harness import (FLEET, TOKENIZER_DIR, Envoy, Processes, Tokenizer, free_port, render_config,  # noqa: E402
+                     reset_fleet, start_fleet, wait_synced)
 
 
 def run_load(args, label, engines, out_dir):
@@ -61,9 +61,13 @@ def main():
     ap.add_argument("--build", choices=("wasm", "native"), default="wasm",
                     help="kvroute's build: the wasm filter (envoy/envoy.yaml) or the native dynamic module "
                          "(envoy/envoy-native.yaml)")
-    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--port", type=int, default=8000,
+                    help="Envoy's listener; 0: a free port, chosen with the demo's other ports so none "
+                         "of them can take it first")
     ap.add_argument("--out", default=str(ROOT / "target" / "demo"))
     args = ap.parse_args()
+    if args.port == 0:
+        args.port = free_port()
     out_dir = pathlib.Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
 
