@@ -183,8 +183,7 @@ def main():
 
         if not args.no_restart:
             # The restart under load.
-            wname, _, wargs, _ = next(w for w in chosen if w[0] == "shared_prefix_70") if any(
-                w[0] == "shared_prefix_70" for w in chosen) else chosen[0]
+            wname, _, wargs, _ = next((w for w in chosen if w[0] == "shared_prefix_70"), chosen[0])
             reset()
             es = envoys(2)
             path = out / "restart.json"

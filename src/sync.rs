@@ -148,9 +148,7 @@ impl<H: Host + FeedClient> SyncService<H> {
         }
         // Create every key now, so later compare-and-swap writes always have a token to
         // compare (the host treats a missing key's CAS as unconditional).
-        let keys = (0..cfg.n_buckets)
-            .map(bucket_key)
-            .chain([LOAD_KEY, KEYLOAD_KEY, ANCHORS_KEY, PEERLOAD_KEY].map(String::from));
+        let keys = (0..cfg.n_buckets).map(bucket_key).chain([LOAD_KEY, KEYLOAD_KEY, ANCHORS_KEY].map(String::from));
         for key in keys.chain((0..KEY_BUCKETS).map(key_bucket_key)) {
             if matches!(store.get(&key), Ok((None, _))) {
                 let _ = store.set(&key, &[], None);
@@ -163,7 +161,7 @@ impl<H: Host + FeedClient> SyncService<H> {
             cfg.feed_path,
             cfg.n_buckets
         );
-        // A previous VM's peer load is not this one's to vouch for.
+        // Created empty, or emptied: a previous VM's peer load is not this one's to vouch for.
         let _ = store.set(PEERLOAD_KEY, &[], None);
         let gateway = cfg
             .gateway_id

@@ -118,10 +118,9 @@ def test_a_stream_lost_with_its_server_is_made_again_by_its_relay_and_read_anew(
     e2.store(x)
     wait_for(lambda: blocks(sc, e2) == set(feed_blocks(x)), what="e2's batch")
     chains = [tokens(71 + i, 2 * 16) for i in range(5)]
-    for c in chains[:3]:
-        e1.store(c)
     held = set()
     for c in chains[:3]:
+        e1.store(c)
         held |= set(feed_blocks(c))
     wait_for(lambda: blocks(sc, e1) == held, what="e1's three batches")
 

@@ -203,7 +203,7 @@ fn run(args: RelayArgs) -> Result<(), String> {
             }) {
                 Ok(last) => {
                     counters.resyncs.fetch_add(1, Ordering::Relaxed);
-                    log::warn!("resync: the stream {} is back; asking the engines for what it lacks", settings.stream);
+                    log::warn!("resync: the stream {} is there; asking the engines for what it lacks", settings.stream);
                     let now = Instant::now();
                     for (i, seq) in last.into_iter().enumerate() {
                         relay.with(i, |q, sink| {
