@@ -44,6 +44,7 @@ struct Metrics {
     kept_on_holder: BatchedCounter,
     least_cached: BatchedCounter,
     new_cache_keys: BatchedCounter,
+    redecided: BatchedCounter,
     override_refused: BatchedCounter,
     unflushed: u32,
 }
@@ -70,6 +71,7 @@ impl Metrics {
             kept_on_holder: counter("kvroute.kept_on_holder"),
             least_cached: counter("kvroute.least_cached"),
             new_cache_keys: counter("kvroute.new_cache_keys"),
+            redecided: counter("kvroute.redecided"),
             override_refused: counter("kvroute.upstream_override_refused"),
             unflushed: 0,
         }
@@ -101,6 +103,7 @@ impl Metrics {
         self.kept_on_holder.add(u64::from(d.kept_on_holder));
         self.least_cached.add(u64::from(d.least_cached));
         self.new_cache_keys.add(u64::from(d.new_cache_key));
+        self.redecided.add(u64::from(d.redecided));
         self.unflushed += 1;
         self.unflushed >= FLUSH_EVERY
     }
@@ -121,6 +124,7 @@ impl Metrics {
             &mut self.kept_on_holder,
             &mut self.least_cached,
             &mut self.new_cache_keys,
+            &mut self.redecided,
             &mut self.override_refused,
         ];
         let by_kind = self.fallback.iter_mut().map(|(_, c)| c).chain(self.token_errors.iter_mut().map(|(_, c)| c));

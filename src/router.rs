@@ -18,7 +18,7 @@ use crate::role::Role;
 use crate::scan::{scan_segment, Scan};
 use crate::score::{rank, tied_at_top, worker_key, Candidate, RankOutcome, Scored, Weights};
 use crate::slots::{SlotSet, MAX_SLOTS};
-use crate::store::{update, Edit, SharedStore, UpdateError, Versioned};
+use crate::store::{update, update_tries, Edit, SharedStore, UpdateError, Versioned, CAS_ATTEMPTS};
 use crate::tokens::{decode_tokens, TokenEncoding, TokenError};
 use std::fmt::Write as _;
 use std::rc::Rc;
@@ -125,6 +125,9 @@ pub struct Decision {
     /// The request had no cache key and was given an implicit one
     /// ([`cachekey::implicit_key`]): it left or continued a conversational anchor.
     pub implicit_cache_key: bool,
+    /// Times the decision was made again because another wrote the prompt's first bucket
+    /// between this one's read and its write (at most [`REDECISIONS`]).
+    pub redecided: u32,
 }
 
 impl Decision {
@@ -135,7 +138,7 @@ impl Decision {
         self.least_cached |= r.least_cached;
     }
 
-    /// `worker=…;hits=…;blocks=…;cost=…[;offloaded=…][;prefill=…][;spilled=1][;memory=1][;holder=1][;least_cached=1][;new_key=1][;implicit_key=1][;fallback=…]`
+    /// `worker=…;hits=…;blocks=…;cost=…[;offloaded=…][;prefill=…][;spilled=1][;memory=1][;holder=1][;least_cached=1][;new_key=1][;implicit_key=1][;redecided=…][;fallback=…]`
     /// for the debug response header.
     pub fn debug_value(&self) -> String {
         let mut s = String::new();
@@ -164,6 +167,9 @@ impl Decision {
         }
         if self.implicit_cache_key {
             s.push_str(";implicit_key=1");
+        }
+        if self.redecided > 0 {
+            let _ = write!(s, ";redecided={}", self.redecided);
         }
         if let Some(f) = self.fallback {
             let _ = write!(s, ";fallback={}", f.name());
@@ -244,6 +250,26 @@ struct ScannedBucket {
     cas: Option<u32>,
 }
 
+/// How many times a decision that lost its first bucket to another is made again before
+/// it records its blocks over the change (the fallback of every decision before). A burst
+/// over a new prompt on two Envoy threads races once or twice.
+const REDECISIONS: u32 = 2;
+
+/// What a decision's writes start from: the values it read.
+struct Commit {
+    scanned: Vec<ScannedBucket>,
+    load_read: Option<Versioned>,
+    /// Write nothing if the first bucket changed since it was scanned.
+    may_race: bool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Outcome {
+    Placed,
+    /// Another decision wrote the prompt's first bucket since this one read it.
+    Raced,
+}
+
 impl Router {
     pub fn new(cfg: FilterConfig) -> Router {
         Router { cfg, token_bytes: Vec::new(), candidates: Vec::new(), scored: Vec::new(), table: None, cached: None }
@@ -306,14 +332,45 @@ impl Router {
     ) -> Decision {
         let mut d = Decision::default();
         let Some(decoded) = self.read_table(store, &mut d) else { return d };
+        let hashes = self.prompt_hashes(tokens, &decoded.table, &mut d);
+        let start = d.clone();
+        for attempt in 0..=REDECISIONS {
+            let may_race = attempt < REDECISIONS;
+            if self.decide(store, &decoded, &hashes, cache_key, now_ms, entropy, may_race, &mut d) == Outcome::Placed {
+                break;
+            }
+            // Another decision wrote the prompt's first bucket since this one read it (a
+            // burst's sibling on the other Envoy thread): nothing was written; decide again
+            // on what it left, keeping the counts of what was read.
+            let (reads, layout, failures) = (d.shared_reads, d.layout_errors, d.update_failures);
+            d = start.clone();
+            (d.shared_reads, d.layout_errors, d.update_failures) = (reads, layout, failures);
+            d.redecided = attempt + 1;
+        }
+        d
+    }
+
+    /// One decision on the shared state as read now. With `may_race`, it gives up
+    /// ([`Outcome::Raced`]) before writing anything if the prompt's first bucket changed
+    /// since its scan read it; without, it records its blocks over whatever changed.
+    #[allow(clippy::too_many_arguments)]
+    fn decide(
+        &mut self,
+        store: &dyn SharedStore,
+        decoded: &DecodedTable,
+        hashes: &[u64],
+        cache_key: Option<u64>,
+        now_ms: u64,
+        entropy: u64,
+        may_race: bool,
+        d: &mut Decision,
+    ) -> Outcome {
         let table = &decoded.table;
-        let hashes = self.prompt_hashes(tokens, table, &mut d);
         d.shared_reads += 1;
         // Kept as read: the update of the load vector after the decision starts from it.
         let load_read = store.get(LOAD_KEY).ok();
         let load = LoadVector::decode(load_read.as_ref().and_then(|(v, _)| v.as_deref()).unwrap_or(&[]));
-        let peers =
-            if self.cfg.peer_load && table.peer_load { read_peer_load(store, &mut d) } else { PeerLoad::default() };
+        let peers = if self.cfg.peer_load && table.peer_load { read_peer_load(store, d) } else { PeerLoad::default() };
 
         let (decode_set, prefill_set) = match self.cfg.mode {
             Mode::Aggregated => (up_slots(table, |r| r == Role::Both), SlotSet::EMPTY),
@@ -321,7 +378,7 @@ impl Router {
         };
         if decode_set.is_empty() {
             d.fallback = Some(Fallback::NoWorkerUp);
-            return d;
+            return Outcome::Placed;
         }
         let candidates = decode_set.union(&prefill_set);
         // With a stale index nothing is a hit (load only); in-flight entries are still
@@ -331,7 +388,7 @@ impl Router {
         // load, and the prefill a sibling request is already doing there.
         let carrying = if self.reads_in_flight() { candidates } else { SlotSet::EMPTY };
         let scan = Scan::new(table.slots.len(), holding, carrying);
-        let (scan, scanned) = self.scan(store, &hashes, table.n_buckets, scan, now_ms, &mut d);
+        let (scan, scanned) = self.scan(store, hashes, table.n_buckets, scan, now_ms, d);
         let epoch = prefill_epoch(now_ms);
         self.cached = None;
         // A cache key: read when keys are on; a new one is charged per key on each worker,
@@ -339,7 +396,7 @@ impl Router {
         // unkeyed, before the anchor was known: it stays by the plain cost).
         let implicit = match (cache_key, self.cfg.cache_key_spread) {
             (None, Some(_)) if self.cfg.implicit_cache_keys => {
-                self.implicit_key(store, &hashes, &scan, &scanned, now_ms, &mut d)
+                self.implicit_key(store, hashes, &scan, &scanned, now_ms, d)
             }
             _ => None,
         };
@@ -349,7 +406,7 @@ impl Router {
             None => (cache_key, true),
         };
         let key = match (cache_key, self.cfg.cache_key_spread) {
-            (Some(hash), Some(spread)) => Some((self.read_key(store, hash, charge_if_new, now_ms, &mut d), spread)),
+            (Some(hash), Some(spread)) => Some((self.read_key(store, hash, charge_if_new, now_ms, d), spread)),
             _ => None,
         };
         let live_epoch = key_epoch(now_ms, self.cfg.cache_key_live_ms);
@@ -377,7 +434,7 @@ impl Router {
             if prefill_set.is_empty() {
                 d.fallback.get_or_insert(Fallback::NoPrefillWorker);
             } else {
-                self.rank_set(&request, &prefill_set, self.cfg.prefill_overlap_weight, true, false, &mut d);
+                self.rank_set(&request, &prefill_set, self.cfg.prefill_overlap_weight, true, false, d);
                 if let Some(best) = self.scored.first() {
                     d.prefiller = Some(table.slots[best.candidate.slot].id.clone());
                     chosen.push(best.candidate.slot as u16);
@@ -390,10 +447,11 @@ impl Router {
         };
         // A decode worker fed by a prefill worker computes none of the prompt.
         let prefills = d.prefiller.is_none();
-        self.rank_set(&request, &decode_set, weight, prefills, true, &mut d);
+        self.rank_set(&request, &decode_set, weight, prefills, true, d);
         for s in self.scored.iter().take(self.cfg.max_endpoints) {
             d.destinations.push(table.slots[s.candidate.slot].id.clone());
         }
+        let mut destination = None;
         if let Some(best) = self.scored.first() {
             d.hits = best.candidate.cache_hits;
             d.offloaded_hits = best.candidate.offloaded_hits;
@@ -402,9 +460,7 @@ impl Router {
             if !chosen.contains(&slot) {
                 chosen.push(slot);
             }
-            if let Some((k, _)) = key {
-                self.record_key(store, k, slot, now_ms, &mut d);
-            }
+            destination = Some(slot);
         }
 
         if !hashes.is_empty() {
@@ -417,9 +473,17 @@ impl Router {
                 (self.tracks_prefill() && blocks > 0).then_some(charge)
             });
             chosen.sort_unstable();
-            d.held = self.acquire(store, &mut d, &hashes, table.n_buckets, chosen, prefill, scanned, load_read, now_ms);
+            let commit = Commit { scanned, load_read, may_race };
+            match self.acquire(store, d, hashes, table.n_buckets, chosen, prefill, commit, now_ms) {
+                Some(held) => d.held = held,
+                None => return Outcome::Raced,
+            }
         }
-        d
+        // After the blocks: a decision given up writes nothing.
+        if let (Some((k, _)), Some(slot)) = (key, destination) {
+            self.record_key(store, k, slot, now_ms, d);
+        }
+        Outcome::Placed
     }
 
     /// Whether routing reads which of a request's blocks are in flight on each worker:
@@ -700,8 +764,9 @@ impl Router {
         }
     }
 
-    /// Records the request's blocks as in flight on `slots`. `scanned` and `load` are the
-    /// values the decision read, reused as the first attempt of their compare-and-swap.
+    /// Records the request's blocks as in flight on `slots`, starting from the values the
+    /// decision read. `None`: `commit.may_race` and the first bucket changed since it was
+    /// read; nothing was written.
     #[allow(clippy::too_many_arguments)]
     fn acquire(
         &self,
@@ -711,15 +776,14 @@ impl Router {
         n_buckets: u32,
         slots: Vec<u16>,
         prefill: Option<PrefillChange>,
-        scanned: Vec<ScannedBucket>,
-        load_read: Option<Versioned>,
+        commit: Commit,
         now_ms: u64,
-    ) -> Held {
+    ) -> Option<Held> {
         let change = Change::Acquire { lease_ms: self.cfg.inflight_lease_ms };
         let mut held = Held { slots, segments: Vec::new(), prefill: None };
         let mut delta = ActiveDelta::default();
-        let mut scanned = scanned.into_iter();
-        for seg in segments(hashes.len()) {
+        let mut scanned = commit.scanned.into_iter();
+        for (i, seg) in segments(hashes.len()).enumerate() {
             let b = bucket_of(hashes[seg.start], n_buckets);
             let first_read = scanned.next().map(|s| (s.value, s.cas));
             let mut sorted = hashes[seg].to_vec();
@@ -727,23 +791,29 @@ impl Router {
             sorted.dedup();
             let mut keys = Vec::with_capacity(sorted.len() * held.slots.len());
             inflight::keys(&sorted, &held.slots, &mut keys);
-            match update_bucket(store, b, first_read, &keys, change, now_ms, &mut d.shared_reads) {
+            // Every decision on a prompt writes its first bucket first: a write there since
+            // the scan is a decision this one did not see.
+            let strict = i == 0 && commit.may_race && first_read.is_some();
+            let attempts = if strict { 1 } else { CAS_ATTEMPTS };
+            match update_bucket(store, b, first_read, &keys, change, now_ms, attempts, &mut d.shared_reads) {
                 Ok(seg_delta) => {
                     delta.merge(&seg_delta);
                     held.segments.push((b, sorted));
                 }
-                Err(layout) => {
+                Err(UpdateError::Contended) if strict => return None,
+                Err(e) => {
                     d.update_failures += 1;
-                    d.layout_errors += u32::from(layout);
+                    d.layout_errors += u32::from(matches!(e, UpdateError::Rejected(())));
                 }
             }
         }
+        let load_read = commit.load_read;
         if update_load(store, &delta, prefill.as_slice(), prefill_epoch(now_ms), load_read, &mut d.shared_reads) {
             held.prefill = prefill;
         } else {
             d.update_failures += 1;
         }
-        held
+        Some(held)
     }
 
     /// The request's prefill has ended (its first response bytes came back): its
@@ -788,7 +858,8 @@ impl Router {
         let mut reads = 0;
         for (b, mut keys) in by_bucket {
             inflight::merge_keys(&mut keys);
-            match update_bucket(store, b, None, &keys, Change::Release { linger_ms }, now_ms, &mut reads) {
+            let release = Change::Release { linger_ms };
+            match update_bucket(store, b, None, &keys, release, now_ms, CAS_ATTEMPTS, &mut reads) {
                 Ok(seg_delta) => delta.merge(&seg_delta),
                 Err(_) => failures += 1,
             }
@@ -868,8 +939,9 @@ fn up_slots(table: &WorkerTable, role_ok: fn(Role) -> bool) -> SlotSet {
 }
 
 /// Read-modify-write of bucket `b`'s in-flight part (see [`inflight::apply`]; with a sweep
-/// when due). The first read may come from the scan. Err(true) when the bucket could not be
-/// decoded.
+/// when due), in at most `attempts` compare-and-swaps. The first read may come from the
+/// scan.
+#[allow(clippy::too_many_arguments)]
 fn update_bucket(
     store: &dyn SharedStore,
     b: u32,
@@ -877,8 +949,9 @@ fn update_bucket(
     keys: &[inflight::Key],
     change: Change,
     now_ms: u64,
+    attempts: u32,
     reads: &mut u32,
-) -> Result<ActiveDelta, bool> {
+) -> Result<ActiveDelta, UpdateError<()>> {
     let mut swept = Vec::new();
     let edit = |value: &[u8]| {
         let bucket = Bucket::parse(value).map_err(|_| ())?;
@@ -907,7 +980,7 @@ fn update_bucket(
     // The host treats CAS 0 as "unconditional". Keys exist from the sync service's start
     // (it creates every bucket and the load key empty), so 0 only happens before that,
     // when no table exists and nothing is routed yet.
-    update(store, &bucket_key(b), first_read, reads, edit).map_err(|e| matches!(e, UpdateError::Rejected(())))
+    update_tries(store, &bucket_key(b), first_read, reads, attempts, edit)
 }
 
 /// Applies per-slot changes of active blocks and of outstanding prefill (at the writer's

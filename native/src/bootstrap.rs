@@ -204,8 +204,9 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_bootstrap_extension_config_new(
             }
         }
         let panics = Gauge::define(&host, "kvroute.native_panics");
-        // Gateway names differ per Envoy: seed with the time and the process id.
-        let seed = crate::clock::now_ms() ^ u64::from(std::process::id()).rotate_left(40);
+        // Gateway names differ per Envoy, also between containers whose Envoy is process 1
+        // and starts in the same millisecond: the seed is the OS's randomness.
+        let seed = crate::clock::random_seed();
         let service = match SyncService::configure(host, config, seed) {
             Ok(s) => s,
             Err(e) => {

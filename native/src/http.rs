@@ -226,9 +226,8 @@ fn thread_filter(config: &Arc<HttpConfig>) -> Option<SharedFilter> {
         if let Some(f) = filters.iter().find(|f| f.try_borrow().is_ok_and(|f| Arc::ptr_eq(&f.host().config, config))) {
             return Some(Rc::clone(f));
         }
-        // Tie-breaks differ per thread: seed with the time and this thread's slot address.
-        let seed = clock::now_ms() ^ (filters.as_ptr() as u64).rotate_left(32);
-        match Filter::configure(WorkerHost { config: Arc::clone(config) }, &config.json, seed) {
+        // Tie-breaks differ per thread and per Envoy.
+        match Filter::configure(WorkerHost { config: Arc::clone(config) }, &config.json, clock::random_seed()) {
             Ok(f) => {
                 let f = Rc::new(RefCell::new(f));
                 filters.push(Rc::clone(&f));

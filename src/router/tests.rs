@@ -828,3 +828,61 @@ fn other_gateways_load_counts_as_this_gateways_while_the_table_says_so() {
     r.release(&store, &d.held, 3);
     assert_eq!(route(&mut r, &store, &p, 4).destinations[0], "10.0.0.2:8000");
 }
+
+/// A store whose first write to a bucket first lets `sneak` run: another decision made
+/// between this one's scan and its write (the other Envoy thread, in a burst).
+struct Interleaved<'a> {
+    inner: &'a MemStore,
+    sneak: std::cell::RefCell<Option<Sneak<'a>>>,
+}
+
+type Sneak<'a> = Box<dyn FnOnce(&MemStore) + 'a>;
+
+impl SharedStore for Interleaved<'_> {
+    fn get(&self, key: &str) -> Result<Versioned, crate::store::StoreError> {
+        self.inner.get(key)
+    }
+    fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), crate::store::StoreError> {
+        if key.starts_with(&bucket_key(0)[..bucket_key(0).len() - 1]) {
+            if let Some(sneak) = self.sneak.borrow_mut().take() {
+                sneak(self.inner);
+            }
+        }
+        self.inner.set(key, value, cas)
+    }
+}
+
+fn route_on(r: &mut Router, store: &dyn SharedStore, tokens: &[u32], now: u64) -> Decision {
+    let b64 = encode_base64(tokens);
+    let source = TokenSource::Header { value: b64.as_bytes(), encoding: TokenEncoding::Base64LeU32, namespace: 0 };
+    r.route(store, source, now, 0)
+}
+
+#[test]
+fn a_decision_raced_on_its_prompt_is_made_again_and_joins_its_sibling() {
+    // Two idle workers. The first request of a burst reads the state and chooses; before
+    // it writes, the load changes (another prompt lands on its choice) and its sibling is
+    // decided and placed on the other worker. Recorded as first decided, the two would
+    // compute the prefix twice; decided again, the first sees its sibling and joins it.
+    let chosen_alone = {
+        let (store, _) = fleet(2, vec![]);
+        route(&mut Router::new(cfg("{}")), &store, &burst_prompt(1), 0).destinations[0].clone()
+    };
+    let busy = if chosen_alone == "10.0.0.0:8000" { 0 } else { 1 };
+    let (store, _) = fleet(2, vec![]);
+    let sneak = |inner: &MemStore| {
+        let mut other = with_active(&[0, 0]);
+        other.0[busy].active = 500;
+        inner.set(LOAD_KEY, &other.encode(), None).unwrap();
+        let sibling = route(&mut Router::new(cfg("{}")), inner, &burst_prompt(2), 0);
+        assert_ne!(sibling.destinations[0], chosen_alone);
+    };
+    let raced = Interleaved { inner: &store, sneak: std::cell::RefCell::new(Some(Box::new(sneak))) };
+    let d = route_on(&mut Router::new(cfg("{}")), &raced, &burst_prompt(1), 0);
+    assert_ne!(d.destinations[0], chosen_alone, "{d:?}");
+    // The sibling's 30 prefix blocks, predicted there.
+    assert_eq!((d.redecided, d.hits), (1, 30), "{d:?}");
+    assert!(d.debug_value().contains(";redecided=1"));
+    // Every block in flight once: 30 shared, 2 + 2 own, on the sibling's worker.
+    assert_eq!(actives(&store)[1 - busy], 34);
+}

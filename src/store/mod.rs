@@ -71,7 +71,7 @@ pub enum UpdateError<E> {
     Rejected(E),
     /// The store failed a read or a write.
     Store(StoreError),
-    /// Every one of [`CAS_ATTEMPTS`] writes lost a race.
+    /// Every write (of [`CAS_ATTEMPTS`], unless fewer were asked for) lost a race.
     Contended,
 }
 
@@ -82,11 +82,24 @@ pub enum UpdateError<E> {
 pub fn update<T, E>(
     store: &dyn SharedStore,
     key: &str,
+    first_read: Option<Versioned>,
+    reads: &mut u32,
+    edit: impl FnMut(&[u8]) -> Result<Edit<T>, E>,
+) -> Result<T, UpdateError<E>> {
+    update_tries(store, key, first_read, reads, CAS_ATTEMPTS, edit)
+}
+
+/// [`update`] in at most `attempts` writes: with 1 and a `first_read`, the write happens
+/// only if `key` is unchanged since that read ([`UpdateError::Contended`] if not).
+pub fn update_tries<T, E>(
+    store: &dyn SharedStore,
+    key: &str,
     mut first_read: Option<Versioned>,
     reads: &mut u32,
+    attempts: u32,
     mut edit: impl FnMut(&[u8]) -> Result<Edit<T>, E>,
 ) -> Result<T, UpdateError<E>> {
-    for _ in 0..CAS_ATTEMPTS {
+    for _ in 0..attempts {
         let (value, cas) = match first_read.take() {
             Some(r) => r,
             None => {

@@ -13,6 +13,22 @@ pub fn property_string(path: &[&str]) -> Option<String> {
     String::from_utf8(bytes).ok()
 }
 
+/// Entropy for a root context: the clock in nanoseconds and Envoy's node id. The sync
+/// service names its gateway from it, so replicas that start in the same millisecond from
+/// the same configuration (a Deployment's pods) still get names of their own; the node id
+/// differs per pod under Istio, the nanoseconds elsewhere.
+pub fn seed() -> u64 {
+    let nanos = hostcalls::get_current_time()
+        .ok()
+        .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+        .map_or(0, |d| d.as_nanos() as u64);
+    let node = hostcalls::get_property(vec!["node", "id"]).ok().flatten().unwrap_or_default();
+    // FNV-1a over the node id: any fold that mixes every byte will do.
+    let node_hash =
+        node.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3));
+    nanos ^ node_hash.rotate_left(29)
+}
+
 pub fn plugin_configuration(size: usize) -> Vec<u8> {
     hostcalls::get_buffer(BufferType::PluginConfiguration, 0, size).ok().flatten().unwrap_or_default()
 }

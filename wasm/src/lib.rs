@@ -14,7 +14,6 @@ mod host;
 
 use host::{StreamRequestHeaders, WasmHost};
 use kvroute_core::filter::{self, Filter};
-use kvroute_core::host::Clock;
 use kvroute_core::sync::{self, SyncService};
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, ContextType};
@@ -46,8 +45,7 @@ impl Root {
     fn configure(root_id: &str, config: &[u8]) -> Option<Root> {
         match root_id {
             FILTER_ROOT_ID => {
-                let seed = WasmHost.now_ms();
-                match Filter::configure(WasmHost, config, seed) {
+                match Filter::configure(WasmHost, config, host::seed()) {
                     Ok(f) => {
                         // Errors ignored: without ticks stats still flush every few requests.
                         let _ = proxy_wasm::hostcalls::set_tick_period(filter::FLUSH_PERIOD);
@@ -59,7 +57,7 @@ impl Root {
                     }
                 }
             }
-            SYNC_ROOT_ID => match SyncService::configure(WasmHost, config, WasmHost.now_ms()) {
+            SYNC_ROOT_ID => match SyncService::configure(WasmHost, config, host::seed()) {
                 Ok(s) => {
                     if proxy_wasm::hostcalls::set_tick_period(sync::TICK).is_err() {
                         log::error!("kvroute-sync: cannot set a tick period");
