@@ -529,8 +529,15 @@ def run_line(args, procs, fleet, port, line, wname, wargs, settings, out):
         scored = router.stat("kvroute.scored")
         # What the limits did, and each engine's capacity as the sync service learned it.
         r["kvroute_outcomes"] = {
-            **{k: router.stat(f"kvroute.{k}") for k in ("spilled", "memory_limited", "kept_on_holder")},
+            **{k: router.stat(f"kvroute.{k}")
+               for k in ("spilled", "memory_limited", "kept_on_holder", "redecided", "update_failures",
+                         "layout_errors")},
             "kv_capacity_blocks": router.worker_gauges("kvroute.kv_capacity_blocks")}
+    if parts and parts["sync"]:
+        # What the sync service took from the sidecar's feed (a resync rebuilds the index).
+        r["kvroute_sync"] = {k: router.stat(f"kvroute_sync.{k}")
+                             for k in ("resyncs", "blocks_stored", "blocks_removed", "frames_bad", "write_failures",
+                                       "polls_failed")}
     r.update({"workload": wname, "policy": label, "router": kind, "sim": args.sim, "client": args.client,
               "wall_s": round(time.time() - t0, 1), "speedup": speedup,
               "router_cpu_ms_per_request": round(sum(v for k, v in per_request.items() if k not in NOT_ROUTER), 3),

@@ -48,10 +48,11 @@
 //! though the request would wait as long on either. Sending it to the idle worker makes a
 //! second copy of the prefix: its whole prefill computed again and its blocks cached twice,
 //! with the fleet's later hits split between the two. So a worker with more cache hits is
-//! put first when it would start the request's prefill no later than the cheapest worker
-//! would finish it (its outstanding prefill ≤ the cheapest's wait), the wait limit admits
-//! it, and its cost is within τ per extra hit of the cheapest's. With several, the one
-//! with the most hits. Decode load stays priced: a holder far busier decoding costs far
+//! put first when it would start the request's prefill no later than τ blocks per extra
+//! hit after the cheapest worker would finish it (its outstanding prefill ≤ the cheapest's
+//! wait + τ × the extra hits: the cold prompt ahead is usually part done, and a sibling's
+//! few queued blocks must not tip it), the wait limit admits it, and its cost is within τ
+//! per extra hit of the cheapest's. With several, the one with the most hits. Decode load stays priced: a holder far busier decoding costs far
 //! more than τ per hit.
 //!
 //! The holder tie's load test (`holder_tie_load_slack`, k; off by default): a holder also
@@ -247,7 +248,8 @@ pub fn rank(
             let more = hits(s) - hits(&best);
             more > 0.0
                 && admissible(s)
-                && s.candidate.wait.saturating_sub(s.candidate.own_prefill) <= best.candidate.wait
+                && f64::from(s.candidate.wait.saturating_sub(s.candidate.own_prefill))
+                    <= f64::from(best.candidate.wait) + tau * more
                 && (s.cost <= best.cost + tau * more
                     || load_reach.is_some_and(|reach| f64::from(s.candidate.active_blocks) <= reach))
         };
@@ -583,9 +585,29 @@ mod tests {
     }
 
     #[test]
+    fn the_holder_tie_holds_with_a_siblings_question_queued_behind_the_cold_prompt() {
+        // The copy case with another request of the holder's group queued too (its 4-block
+        // question, 8 more blocks in flight with it): the request would start there 8
+        // blocks after it would have ended on the idle worker, and costs 24 more (420
+        // against 396), both within τ × 128 = 32. Without the slack such requests copied
+        // their group's document to an idle engine on the fleet's shared prefixes
+        // (docs/benchmarks.md, "The holder tie's start").
+        let [idle, holder] = copy_case();
+        let holder = Candidate { wait: 144, pending_prefill: 144, active_blocks: 272, ..holder };
+        let mut out = Vec::new();
+        let off = Weights { holder_tie_per_hit: None, ..shipped() };
+        rank(&[idle, holder], off, 132, 0, &mut out);
+        assert_eq!((out[0].candidate.slot, out[0].cost, out[1].cost), (0, 396.0, 420.0));
+        let r = rank(&[idle, holder], shipped(), 132, 0, &mut out);
+        assert_eq!(r, RankOutcome { kept_on_holder: true, ..RankOutcome::default() });
+        assert_eq!(out[0].candidate.slot, 1);
+    }
+
+    #[test]
     fn the_holder_tie_needs_the_prefill_to_start_in_time() {
-        // The holder has 200 blocks queued ahead: the request would start there after the
-        // idle worker had finished it (132), though its cost is within τ per hit.
+        // The holder has 200 blocks queued ahead: the request would start there 68 blocks
+        // after the idle worker had finished it (132), beyond τ × 128, though its cost is
+        // within τ per hit.
         let [idle, holder] = copy_case();
         let holder = Candidate { wait: 204, pending_prefill: 204, active_blocks: 192, ..holder };
         let mut out = Vec::new();
