@@ -52,8 +52,8 @@
 //! hit after the cheapest worker would finish it (its outstanding prefill ≤ the cheapest's
 //! wait + τ × the extra hits: the cold prompt ahead is usually part done, and a sibling's
 //! few queued blocks must not tip it), the wait limit admits it, and its cost is within τ
-//! per extra hit of the cheapest's. With several, the one with the most hits. Decode load stays priced: a holder far busier decoding costs far
-//! more than τ per hit.
+//! per extra hit of the cheapest's. With several, the one with the most hits. Decode load
+//! stays priced: a holder far busier decoding costs far more than τ per hit.
 //!
 //! The holder tie's load test (`holder_tie_load_slack`, k; off by default): a holder also
 //! ties, its cost aside, when its in-flight blocks exceed the cheapest's by at most k × the
