@@ -26,7 +26,7 @@ use std::fmt;
 pub const TABLE_KEY: &str = "kvroute.workers";
 pub const LOAD_KEY: &str = "kvroute.load";
 pub const CACHED_KEY: &str = "kvroute.cached";
-const BUCKET_KEY_PREFIX: &str = "kvroute.b.";
+pub(crate) const BUCKET_KEY_PREFIX: &str = "kvroute.b.";
 
 /// Default number of index buckets (keys). Power of two. A decision reads a fixed number
 /// of buckets, so what it costs grows with the entries per bucket: 16384 keeps that ≤ ~600

@@ -807,8 +807,8 @@ impl Router {
                 }
             }
         }
-        let load_read = commit.load_read;
-        if update_load(store, &delta, prefill.as_slice(), prefill_epoch(now_ms), load_read, &mut d.shared_reads) {
+        let epoch = prefill_epoch(now_ms);
+        if update_load(store, &delta, prefill.as_slice(), epoch, commit.load_read, &mut d.shared_reads) {
             held.prefill = prefill;
         } else {
             d.update_failures += 1;

@@ -843,7 +843,7 @@ impl SharedStore for Interleaved<'_> {
         self.inner.get(key)
     }
     fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), crate::store::StoreError> {
-        if key.starts_with(&bucket_key(0)[..bucket_key(0).len() - 1]) {
+        if key.starts_with(crate::layout::BUCKET_KEY_PREFIX) {
             if let Some(sneak) = self.sneak.borrow_mut().take() {
                 sneak(self.inner);
             }

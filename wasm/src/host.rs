@@ -6,7 +6,7 @@ use kvroute_core::host::{Clock, FeedClient, Host, RequestHeaders, SidecarCall, S
 use kvroute_core::store::{SharedStore, StoreError, Versioned};
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::{BufferType, MapType, MetricType, Status};
-use std::time::UNIX_EPOCH;
+use std::time::{Duration, UNIX_EPOCH};
 
 pub fn property_string(path: &[&str]) -> Option<String> {
     let bytes = hostcalls::get_property(path.to_vec()).ok()??;
@@ -18,15 +18,14 @@ pub fn property_string(path: &[&str]) -> Option<String> {
 /// the same configuration (a Deployment's pods) still get names of their own; the node id
 /// differs per pod under Istio, the nanoseconds elsewhere.
 pub fn seed() -> u64 {
-    let nanos = hostcalls::get_current_time()
-        .ok()
-        .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
-        .map_or(0, |d| d.as_nanos() as u64);
+    let nanos = since_epoch().map_or(0, |d| d.as_nanos() as u64);
     let node = hostcalls::get_property(vec!["node", "id"]).ok().flatten().unwrap_or_default();
-    // FNV-1a over the node id: any fold that mixes every byte will do.
-    let node_hash =
-        node.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3));
-    nanos ^ node_hash.rotate_left(29)
+    nanos ^ xxhash_rust::xxh3::xxh3_64(&node)
+}
+
+/// Envoy's wall clock; `None` before the epoch or if the host will not say.
+fn since_epoch() -> Option<Duration> {
+    hostcalls::get_current_time().ok().and_then(|t| t.duration_since(UNIX_EPOCH).ok())
 }
 
 pub fn plugin_configuration(size: usize) -> Vec<u8> {
@@ -59,11 +58,7 @@ impl Host for WasmHost {
 
 impl Clock for WasmHost {
     fn now_ms(&self) -> u64 {
-        hostcalls::get_current_time()
-            .ok()
-            .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
-            .map(|d| d.as_millis() as u64)
-            .unwrap_or(0)
+        since_epoch().map_or(0, |d| d.as_millis() as u64)
     }
 }
 
