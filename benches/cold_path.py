@@ -5,6 +5,9 @@ each with a document no one has sent before, on an idle simulated fleet, sent
   direct     straight to an engine,
   envoy      through plain Envoy (round robin, no kvroute filter, no stage),
   kvroute    through Envoy with the tokenizer stage and the kvroute filter,
+  kvroute_1trip  the same with the stage's one-round-trip exchange (the body STREAMED
+             behind headers that wait for it; the shipped config answers the headers at
+             once, then the body BUFFERED: two round trips),
 
 and, after each kvroute request, the same document with a new question (`kvroute_warm`:
 the stage's chunk cache and the engine's prefix cache hold the document). The variants
@@ -14,7 +17,9 @@ starts; the stage's own latency comes from its histogram, cold and warm apart.
 
 With `--burst N` each round is instead N requests at once sharing a new document (the
 peers benchmark's burst: a fan-out over one RAG document), sent straight to one engine,
-through kvroute and through kvroute's native build. Whatever the path, the first to reach
+through kvroute (one and two round trips to the stage), through kvroute's native build
+and, with `--peers`, through sglang-router and smg (`cache_aware`, installed as
+benches/peers.py does; they parse the text in process). Whatever the path, the first to reach
 the engine starts a step alone and the rest share the next one, so the burst's first and
 last TTFT show what each path adds when N new texts arrive together.
 
@@ -22,7 +27,7 @@ last TTFT show what each path adds when N new texts arrive together.
     cargo build --release -p kvroute-sidecar -p kvroute-fleet -p kvroute-tokenizer
     cargo build --target wasm32-unknown-unknown --release
     cargo build --release -p kvroute-native                 # --burst only
-    python3 benches/cold_path.py [--rounds 24] [--words 1750] [--burst 12] [--json out.json]
+    python3 benches/cold_path.py [--rounds 24] [--words 1750] [--burst 12 [--peers]] [--json out.json]
 """
 import argparse
 import http.client
@@ -109,6 +114,7 @@ def main():
     ap.add_argument("--speedup", type=float, default=2.0, help="the engines' speed-up, as in benches/peers.py")
     ap.add_argument("--seed", type=int, default=3)
     ap.add_argument("--burst", type=int, default=0, help="N requests at once per round (see above)")
+    ap.add_argument("--peers", action="store_true", help="with --burst: sglang-router and smg lines too")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     rng = random.Random(args.seed)
@@ -118,14 +124,15 @@ def main():
         stage = procs.add(Tokenizer(models=[(MODEL, TOKENIZER_DIR, [])], max_model_len=512 * 16))
         if args.burst:
             return bursts(args, rng, procs, engines, sidecar, stage)
-        kv_port, rr_port = free_port(), free_port()
-        cfg, lp, adm = render_config(engines, sidecar.port, {"block_size": 16}, listener_port=kv_port,
-                                     policy="kvroute", tokenizer_port=stage.grpc_port)
-        wait_synced(procs.add(Envoy(cfg, lp, adm, concurrency=2)), sidecar)
+        kv_port, kv1_port, rr_port = free_port(), free_port(), free_port()
+        for port, trips in ((kv_port, 2), (kv1_port, 1)):
+            cfg, lp, adm = render_config(engines, sidecar.port, {"block_size": 16}, listener_port=port,
+                                         policy="kvroute", tokenizer_port=stage.grpc_port, stage_round_trips=trips)
+            wait_synced(procs.add(Envoy(cfg, lp, adm, concurrency=2)), sidecar)
         cfg, lp, adm = render_config(engines, sidecar.port, listener_port=rr_port, policy="round_robin")
         procs.add(Envoy(cfg, lp, adm, concurrency=2))
-        ttft = {k: [] for k in ("direct", "envoy", "kvroute", "kvroute_warm")}
-        stage_ms = {"kvroute": [], "kvroute_warm": []}
+        ttft = {k: [] for k in ("direct", "envoy", "kvroute", "kvroute_1trip", "kvroute_warm")}
+        stage_ms = {"kvroute": [], "kvroute_1trip": [], "kvroute_warm": []}
         for i in range(args.rounds):
             keep = i >= args.warmup
 
@@ -142,6 +149,7 @@ def main():
             question = lambda: " Question: " + text(rng, 30)  # noqa: E731
             one("direct", engines[i % 2].port, text(rng, args.words) + question())
             one("envoy", rr_port, text(rng, args.words) + question())
+            one("kvroute_1trip", kv1_port, text(rng, args.words) + question())
             doc = text(rng, args.words)
             one("kvroute", kv_port, doc + question())
             one("kvroute_warm", kv_port, doc + question())
@@ -165,16 +173,23 @@ def main():
 
 def bursts(args, rng, procs, engines, sidecar, stage):
     ports = {}
-    for build in ("wasm", "native"):
-        ports[build] = free_port()
-        cfg, lp, adm = render_config(engines, sidecar.port, {"block_size": 16}, listener_port=ports[build],
-                                     policy="kvroute", tokenizer_port=stage.grpc_port, build=build)
+    for kind, build, trips in (("kvroute", "wasm", 2), ("kvroute_1trip", "wasm", 1), ("kvroute_native", "native", 2)):
+        ports[kind] = free_port()
+        cfg, lp, adm = render_config(engines, sidecar.port, {"block_size": 16}, listener_port=ports[kind],
+                                     policy="kvroute", tokenizer_port=stage.grpc_port, build=build,
+                                     stage_round_trips=trips)
         wait_synced(procs.add(Envoy(cfg, lp, adm, concurrency=2)), sidecar)
-    paths = {"direct": lambda i: engines[i % 2].port, "kvroute": lambda i: ports["wasm"],
-             "kvroute_native": lambda i: ports["native"]}
+    if args.peers:
+        sys.path.insert(0, str(ROOT / "benches"))
+        from peers import Peer
+        for package in ("sglang-router", "smg"):
+            kind = package.replace("-", "_") + "_cache_aware"
+            ports[kind] = free_port()
+            procs.add(Peer(package, "cache_aware", engines, ports[kind]))
+    paths = {"direct": lambda i: engines[i % 2].port, **{k: (lambda i, p=p: p) for k, p in ports.items()}}
     first = {k: [] for k in paths}
     last = {k: [] for k in paths}
-    stage_ms = {k: [] for k in paths if k != "direct"}
+    stage_ms = {k: [] for k in paths if k.startswith("kvroute")}
     for i in range(args.rounds):
         for kind, port in paths.items():
             doc = text(rng, args.words)

@@ -74,7 +74,7 @@ BUILDS = {
 
 def render_config(workers, feed_port, filter_config=None, sync_config=None,
                   listener_port=None, admin_port=None, wasm=None, policy="kvroute", tokenizer_port=None,
-                  kvroute_filter=True, kvroute_sync=True, build="wasm", eds=False):
+                  kvroute_filter=True, kvroute_sync=True, build="wasm", eds=False, stage_round_trips=2):
     """envoy/envoy.yaml (build "wasm") or envoy/envoy-native.yaml (build "native") with this
     test's ports, upstreams and plugin configurations.
     wasm: the build's file to load instead of this checkout's (kvroute.wasm, or the
@@ -86,11 +86,14 @@ def render_config(workers, feed_port, filter_config=None, sync_config=None,
     token headers as before). kvroute_filter / kvroute_sync False: policy "kvroute" with
     that kvroute part taken out (the override_host policy's fallback then routes).
     eds: the `workers` cluster's hosts from the sidecar (envoy/workers-eds.yaml) instead
-    of `workers`."""
+    of `workers`.
+    stage_round_trips: 2, the shipped exchange with the stage (the headers answered at
+    once, then the body BUFFERED whole), or 1 (the body STREAMED behind headers that wait
+    for it: send_body_without_waiting_for_header_response)."""
     b = BUILDS[build]
     artifact = wasm or b.artifact
     cfg = yaml.safe_load(b.yaml_path.read_text())
-    _set_tokenizer(cfg, tokenizer_port)
+    _set_tokenizer(cfg, tokenizer_port, stage_round_trips)
     listener_port = listener_port or free_port()
     admin_port = admin_port or free_port()
     cfg["admin"]["address"]["socket_address"]["port_value"] = admin_port
@@ -139,10 +142,16 @@ def render_config(workers, feed_port, filter_config=None, sync_config=None,
     return cfg, listener_port, admin_port
 
 
-def _set_tokenizer(cfg, port):
+def _set_tokenizer(cfg, port, round_trips):
     clusters = cfg["static_resources"]["clusters"]
     hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
     if port is not None:
+        if round_trips == 1:
+            ext = next(f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.ext_proc")["typed_config"]
+            ext["processing_mode"]["request_body_mode"] = "STREAMED"
+            ext["send_body_without_waiting_for_header_response"] = True
+        elif round_trips != 2:
+            raise ValueError(f"stage_round_trips: 1 or 2, not {round_trips!r}")
         stage = next(c for c in clusters if c["name"] == "kvroute_tokenizer")
         stage["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"][
             "port_value"] = port

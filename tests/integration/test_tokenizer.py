@@ -3,6 +3,7 @@ plain OpenAI requests, sent by the official `openai` client and by hand, are tok
 vLLM does (the golden token ids of tests/vectors/tokenizer/qwen3.json) and land on the worker
 that caches their prefix; everything the stage cannot read is routed by load, never failed."""
 import contextlib
+import http.client
 import json
 import pathlib
 import subprocess
@@ -23,14 +24,15 @@ DEBUG = "x-kvroute-debug"
 class StageSetup:
     """Three upstream workers, a feed, the stage and an Envoy with both filters."""
 
-    def __init__(self, stage_extra=None, loras=(), build="wasm"):
+    def __init__(self, stage_extra=None, loras=(), build="wasm", round_trips=2):
         self.workers = [Worker() for _ in range(3)]
         self.state = FeedState()
         self.state.set_workers([(w.id, "both", True) for w in self.workers])
         self.feed = FeedServer(self.state)
         self.stage = Tokenizer(models=[("qwen3", TOKENIZER_DIR, list(loras))], extra=stage_extra)
         cfg, self.port, ap = render_config(self.workers, self.feed.port, {"debug_header": DEBUG},
-                                           tokenizer_port=self.stage.grpc_port, build=build)
+                                           tokenizer_port=self.stage.grpc_port, build=build,
+                                           stage_round_trips=round_trips)
         self.envoy = Envoy(cfg, self.port, ap)
         self.sync()
 
@@ -122,8 +124,9 @@ def debug_fields(headers):
     return dict(kv.split("=", 1) for kv in headers[DEBUG].split(";"))
 
 
-def test_an_openai_chat_lands_on_the_worker_holding_its_prefix(stage_setup):
-    s = stage_setup()
+@pytest.mark.parametrize("round_trips", [1, 2])
+def test_an_openai_chat_lands_on_the_worker_holding_its_prefix(stage_setup, round_trips):
+    s = stage_setup(round_trips=round_trips)
     case = GOLDEN["chat_multi_turn"]
     s.cache(s.workers[2], case["tokens"])
     raw = s.client().chat.completions.with_raw_response.create(model="qwen3", messages=case["request"]["messages"])
@@ -137,6 +140,8 @@ def test_an_openai_chat_lands_on_the_worker_holding_its_prefix(stage_setup):
     assert (status, body["worker"]) == (200, s.workers[1].id)
     assert int(debug_fields(headers)["hits"]) == len(comp["tokens"]) // 16
     assert s.stage.outcome("tokenized") == 2
+    # One round trip each when Envoy streams the body behind headers that wait for it.
+    assert s.stage.metrics()["kvroute_tokenizer_one_round_trip_total"] == (2 if round_trips == 1 else 0)
 
 
 def test_lora_and_cache_salt_reach_the_filter(stage_setup):
@@ -190,8 +195,9 @@ def test_new_cache_keys_are_placed_apart_and_known_ones_stay(stage_setup):
     assert status == 200 and debug_fields(headers)["fallback"] == "no_tokens"
 
 
-def test_client_token_headers_are_not_trusted(stage_setup):
-    s = stage_setup()
+@pytest.mark.parametrize("round_trips", [1, 2])
+def test_client_token_headers_are_not_trusted(stage_setup, round_trips):
+    s = stage_setup(round_trips=round_trips)
     case = GOLDEN["chat_system_user"]
     decoy = list(range(5000, 5000 + 16 * 8))
     s.cache(s.workers[0], decoy)
@@ -202,17 +208,25 @@ def test_client_token_headers_are_not_trusted(stage_setup):
     assert s.stage.metrics()["kvroute_tokenizer_client_headers_removed_total"] == 1
 
 
-def test_what_the_stage_cannot_read_is_routed_by_load(stage_setup):
-    s = stage_setup(stage_extra={"max_body_bytes": 65536})
+@pytest.mark.parametrize("round_trips", [1, 2])
+def test_what_the_stage_cannot_read_is_routed_by_load(stage_setup, round_trips):
+    s = stage_setup(stage_extra={"max_body_bytes": 65536}, round_trips=round_trips)
     ok = lambda r: r[0] == 200 and r[2]["worker"] in {w.id for w in s.workers}  # noqa: E731
     assert ok(s.post("/v1/chat/completions", b"{not json"))
     assert ok(s.post("/v1/completions", {"model": "no-such-model", "prompt": "x"}))
     assert ok(s.post("/v1/chat/completions", {"model": "qwen3", "messages": []}))
     assert ok(s.post("/v1/completions", {"prompt": "x" * 100_000}))  # over max_body_bytes: not even buffered
+    # Over the limit without a length (chunked): found out while reading, answered then.
+    conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=10)
+    big = json.dumps({"model": "qwen3", "prompt": "y" * 90_000}).encode()
+    conn.request("POST", "/v1/completions", body=(big[i:i + 16384] for i in range(0, len(big), 16384)),
+                 encode_chunked=True, headers={"content-type": "application/json"})
+    r = conn.getresponse()
+    assert r.status == 200 and json.loads(r.read())["worker"] in {w.id for w in s.workers}
     assert ok(s.post("/v1/embeddings", {"input": "x"}))  # not an endpoint the stage reads: no hop at all
     m = s.stage.metrics()
     outcomes = {k.split('"')[1]: v for k, v in m.items() if k.startswith("kvroute_tokenizer_requests_total")}
-    assert (outcomes["not_json"], outcomes["unknown_model"], outcomes["invalid"], outcomes["too_large"]) == (1, 1, 1, 1)
+    assert (outcomes["not_json"], outcomes["unknown_model"], outcomes["invalid"], outcomes["too_large"]) == (1, 1, 1, 2)
     assert outcomes["not_openai"] == 0 and outcomes["tokenized"] == 0
     # With the stage gone, requests still flow (ext_proc fails open) and are routed by load.
     s.stage.stop(kill=True)

@@ -42,6 +42,7 @@ pub struct Stats {
     trusted: AtomicU64,
     failed: AtomicU64,
     client_headers_removed: AtomicU64,
+    one_round_trip: AtomicU64,
     skipped: [AtomicU64; SKIPS.len()],
     prompt_tokens: AtomicU64,
     batches: AtomicU64,
@@ -67,6 +68,11 @@ impl Stats {
             },
         };
         c.fetch_add(1, Relaxed);
+    }
+
+    /// A request whose headers waited for its body: one round trip.
+    pub fn one_round_trip(&self) {
+        self.one_round_trip.fetch_add(1, Relaxed);
     }
 
     pub fn tokenized(&self, p: &Prompt, took: Duration) {
@@ -111,6 +117,11 @@ impl Stats {
                 "kvroute_tokenizer_client_headers_removed_total",
                 "Requests whose own token, LoRA or salt headers were removed.",
                 self.client_headers_removed.load(Relaxed),
+            ),
+            (
+                "kvroute_tokenizer_one_round_trip_total",
+                "Requests read in one ext_proc round trip (headers answered with their body's token ids).",
+                self.one_round_trip.load(Relaxed),
             ),
             (
                 "kvroute_tokenizer_prompt_tokens_total",

@@ -1,11 +1,18 @@
 //! What the stage does with one HTTP request's ext_proc messages:
 //! - request headers: client copies of the routing headers are removed (unless the operator
 //!   trusts clients' tokens); a request the stage will not read (not `POST` to an OpenAI
-//!   endpoint, a body over the limit, client tokens trusted) switches its body off with a
-//!   mode override, so Envoy neither buffers it for the stage nor waits;
-//! - the request body (buffered whole): tokenized on the blocking pool, the token header
-//!   (and `x-kvroute-lora` / `x-kvroute-cache-salt`) set by a header mutation, the route
-//!   cache cleared so the filters after see them. Anything else: no mutation, counted.
+//!   endpoint, a body over the limit, client tokens trusted) is answered at once (with the
+//!   body switched off by a mode override, where Envoy honours one);
+//! - the request body, tokenized on the blocking pool: the token header (and
+//!   `x-kvroute-lora` / `x-kvroute-cache-salt` / `x-kvroute-cache-key`) set by a header
+//!   mutation, the route cache cleared so the filters after see them. Anything else: no
+//!   mutation, counted. Two ways, told apart by the stream's protocol configuration:
+//!   - one round trip (`STREAMED` with `send_body_without_waiting_for_header_response`):
+//!     Envoy sends the body's chunks behind the headers without waiting; the stage gathers
+//!     them and answers the headers once the body is whole, with the token header in that
+//!     answer, then every chunk;
+//!   - two (`BUFFERED`): the headers are answered at once, the body arrives whole in one
+//!     message and its answer carries the token header.
 //!
 //! It never fails a request: every path answers `CONTINUE`.
 
@@ -17,6 +24,7 @@ use super::proto::{
 use super::server::{HandlerFactory, StreamHandler};
 use crate::stage::{Endpoint, Prompt, Stage};
 use crate::stats::{Outcome, Stats};
+use bytes::Bytes;
 use std::sync::Arc;
 use std::time::Instant;
 use tokio::sync::Semaphore;
@@ -63,14 +71,26 @@ impl HandlerFactory for StageProcessor {
     type Handler = StreamState;
 
     fn new_stream(self: Arc<Self>) -> StreamState {
-        StreamState { p: self, endpoint: None }
+        StreamState { p: self, delayed: false, read: Read::Pass }
     }
 }
 
 pub struct StreamState {
     p: Arc<StageProcessor>,
-    /// The OpenAI endpoint the request goes to, once its headers said it will be read.
-    endpoint: Option<Endpoint>,
+    /// Envoy streams the body without waiting for the headers' answer (one round trip):
+    /// the headers are answered once the body is read.
+    delayed: bool,
+    read: Read,
+}
+
+/// Where a request's reading stands.
+enum Read {
+    /// Not read: every message is answered as it comes.
+    Pass,
+    /// The headers are answered; the body comes whole (`BUFFERED`), for this endpoint.
+    Whole(Endpoint),
+    /// The headers wait for the body ([`StreamState::delayed`]): its chunks so far.
+    Gathering { endpoint: Endpoint, removals: Option<HeaderMutation>, chunks: Vec<Bytes>, size: usize },
 }
 
 fn header<'a>(h: &'a HttpHeaders, name: &str) -> Option<&'a [u8]> {
@@ -93,11 +113,11 @@ fn skip_body() -> ProcessingMode {
 }
 
 impl StreamState {
-    fn on_headers(&mut self, h: &HttpHeaders) -> ProcessingResponse {
+    fn on_headers(&mut self, h: &HttpHeaders) -> Vec<ProcessingResponse> {
         let p = &self.p;
         let hd = &p.headers;
         let client_has_tokens = header(h, &hd.tokens_b64).is_some() || header(h, &hd.tokens_decimal).is_some();
-        let mut mutation = None;
+        let mut removals = None;
         if !p.trust_client_tokens {
             let present: Vec<String> = [&hd.tokens_b64, &hd.tokens_decimal, &hd.lora, &hd.cache_salt, &hd.cache_key]
                 .into_iter()
@@ -106,7 +126,7 @@ impl StreamState {
                 .collect();
             if !present.is_empty() {
                 p.stats.count(Outcome::ClientHeadersRemoved);
-                mutation = Some(HeaderMutation { set_headers: Vec::new(), remove_headers: present });
+                removals = Some(HeaderMutation { set_headers: Vec::new(), remove_headers: present });
             }
         }
         let method = header(h, ":method").unwrap_or_default();
@@ -114,48 +134,136 @@ impl StreamState {
         let length =
             header(h, "content-length").and_then(|v| std::str::from_utf8(v).ok()?.trim().parse::<usize>().ok());
         let skip = match Endpoint::of_path(&path) {
-            _ if p.trust_client_tokens && client_has_tokens => Some(Outcome::ClientTokensTrusted),
-            Some(_) if method != b"POST" => Some(Outcome::NotOpenAi),
-            None => Some(Outcome::NotOpenAi),
-            Some(_) if h.end_of_stream => Some(Outcome::NoBody),
-            Some(_) if length.is_some_and(|n| n > p.max_body_bytes) => Some(Outcome::TooLarge),
-            Some(e) => {
-                self.endpoint = Some(e);
-                None
-            }
+            _ if p.trust_client_tokens && client_has_tokens => Err(Outcome::ClientTokensTrusted),
+            Some(_) if method != b"POST" => Err(Outcome::NotOpenAi),
+            None => Err(Outcome::NotOpenAi),
+            Some(_) if h.end_of_stream => Err(Outcome::NoBody),
+            Some(_) if length.is_some_and(|n| n > p.max_body_bytes) => Err(Outcome::TooLarge),
+            Some(e) => Ok(e),
         };
-        if let Some(o) = skip {
-            p.stats.count(o);
+        match skip {
+            Ok(endpoint) if self.delayed => {
+                self.read = Read::Gathering { endpoint, removals, chunks: Vec::new(), size: 0 };
+                return Vec::new();
+            }
+            Ok(endpoint) => self.read = Read::Whole(endpoint),
+            Err(o) => {
+                p.stats.count(o);
+                self.read = Read::Pass;
+            }
         }
-        ProcessingResponse {
-            response: Some(Resp::RequestHeaders(HeadersResponse { response: common(mutation, false) })),
-            mode_override: skip.filter(|_| !h.end_of_stream).map(|_| skip_body()),
+        // Envoy ignores a mode override once it may have sent the body (delayed).
+        let body_off = skip.is_err() && !h.end_of_stream && !self.delayed;
+        vec![headers_response(removals, false, body_off.then(skip_body))]
+    }
+
+    /// A chunk of a body whose headers wait for it: the answers, once it is whole (or over
+    /// the limit).
+    fn on_chunk(&mut self, body: Bytes, end_of_stream: bool) -> BoxFuture<Option<Vec<ProcessingResponse>>, Status> {
+        let Read::Gathering { endpoint, removals, mut chunks, mut size } =
+            std::mem::replace(&mut self.read, Read::Pass)
+        else {
+            return ready(vec![body_response(None, false)]);
+        };
+        size += body.len();
+        chunks.push(body);
+        if size > self.p.max_body_bytes {
+            self.p.stats.count(Outcome::TooLarge);
+            return ready(answers(removals, Vec::new(), chunks.len()));
         }
+        if !end_of_stream {
+            self.read = Read::Gathering { endpoint, removals, chunks, size };
+            return ready(Vec::new());
+        }
+        self.read_gathered(endpoint, removals, chunks, None)
+    }
+
+    /// The whole gathered body, read: the held headers' answer, each chunk's, then `last`
+    /// (the trailers' answer, when they ended the body).
+    fn read_gathered(
+        &self,
+        endpoint: Endpoint,
+        removals: Option<HeaderMutation>,
+        mut chunks: Vec<Bytes>,
+        last: Option<ProcessingResponse>,
+    ) -> BoxFuture<Option<Vec<ProcessingResponse>>, Status> {
+        let p = self.p.clone();
+        p.stats.one_round_trip();
+        Box::pin(async move {
+            let n = chunks.len();
+            let body = match chunks.len() {
+                1 => chunks.pop().unwrap_or_default(),
+                _ => chunks.concat().into(),
+            };
+            let mut out = answers(removals, read_prompt(&p, endpoint, body).await, n);
+            out.extend(last);
+            Ok(Some(out))
+        })
     }
 }
 
-/// The buffered body of a request whose headers said it will be read.
-async fn on_body(
+/// The delayed headers' answer (their client copies removed, the stage's headers set) and
+/// one answer per body chunk held behind them.
+fn answers(removals: Option<HeaderMutation>, set: Vec<HeaderValueOption>, chunks: usize) -> Vec<ProcessingResponse> {
+    let routed = !set.is_empty();
+    let mutation = match removals {
+        Some(mut m) => {
+            m.set_headers = set;
+            Some(m)
+        }
+        None => routed.then(|| HeaderMutation { set_headers: set, remove_headers: Vec::new() }),
+    };
+    let mut out = Vec::with_capacity(chunks + 1);
+    out.push(headers_response(mutation, routed, None));
+    out.extend((0..chunks).map(|_| body_response(None, false)));
+    out
+}
+
+fn headers_response(
+    mutation: Option<HeaderMutation>,
+    clear_route_cache: bool,
+    mode_override: Option<ProcessingMode>,
+) -> ProcessingResponse {
+    ProcessingResponse {
+        response: Some(Resp::RequestHeaders(HeadersResponse { response: common(mutation, clear_route_cache) })),
+        mode_override,
+    }
+}
+
+fn body_response(mutation: Option<HeaderMutation>, clear_route_cache: bool) -> ProcessingResponse {
+    ProcessingResponse {
+        response: Some(Resp::RequestBody(BodyResponse { response: common(mutation, clear_route_cache) })),
+        mode_override: None,
+    }
+}
+
+fn ready(answers: Vec<ProcessingResponse>) -> BoxFuture<Option<Vec<ProcessingResponse>>, Status> {
+    Box::pin(async move { Ok(Some(answers)) })
+}
+
+/// A body that came whole (`BUFFERED`) after its headers were answered.
+async fn on_whole_body(
     p: Arc<StageProcessor>,
-    endpoint: Option<Endpoint>,
-    body: bytes::Bytes,
+    endpoint: Endpoint,
+    body: Bytes,
     end_of_stream: bool,
 ) -> ProcessingResponse {
-    let continue_as_is = || ProcessingResponse {
-        response: Some(Resp::RequestBody(BodyResponse { response: common(None, false) })),
-        mode_override: None,
-    };
-    let Some(endpoint) = endpoint else {
-        return continue_as_is();
-    };
     if !end_of_stream || body.len() > p.max_body_bytes {
         // Not BUFFERED whole (a misconfigured body mode, or no length header).
         p.stats.count(Outcome::TooLarge);
-        return continue_as_is();
+        return body_response(None, false);
     }
+    let set = read_prompt(&p, endpoint, body).await;
+    let routed = !set.is_empty();
+    body_response(routed.then(|| HeaderMutation { set_headers: set, remove_headers: Vec::new() }), routed)
+}
+
+/// The headers to set for a whole body: its token ids and the namespace it names; none if
+/// the stage cannot read it (counted).
+async fn read_prompt(p: &StageProcessor, endpoint: Endpoint, body: Bytes) -> Vec<HeaderValueOption> {
     let started = Instant::now();
     let Ok(permit) = p.limiter.clone().acquire_owned().await else {
-        return continue_as_is();
+        return Vec::new();
     };
     let stage = p.stage.clone();
     let result = tokio::task::spawn_blocking(move || {
@@ -168,13 +276,13 @@ async fn on_body(
         Ok(Err(skip)) => {
             log::debug!("request routed by load: {skip}");
             p.stats.count(Outcome::Skipped(skip.label()));
-            return continue_as_is();
+            return Vec::new();
         }
         Err(e) => {
             // A panic in tokenization: counted, and the request goes on untouched.
             log::error!("tokenization failed: {e}");
             p.stats.count(Outcome::Failed);
-            return continue_as_is();
+            return Vec::new();
         }
     };
     p.stats.tokenized(&prompt, started.elapsed());
@@ -189,40 +297,57 @@ async fn on_body(
     if let Some(k) = cache_key {
         set_headers.push(set(&p.headers.cache_key, k));
     }
-    ProcessingResponse {
-        response: Some(Resp::RequestBody(BodyResponse {
-            response: common(Some(HeaderMutation { set_headers, remove_headers: Vec::new() }), true),
-        })),
-        mode_override: None,
-    }
+    set_headers
 }
 
 impl StreamHandler for StreamState {
-    fn handle(&mut self, msg: ProcessingRequest) -> BoxFuture<Option<ProcessingResponse>, Status> {
+    fn handle(&mut self, msg: ProcessingRequest) -> BoxFuture<Option<Vec<ProcessingResponse>>, Status> {
+        if let Some(c) = &msg.protocol_config {
+            self.delayed =
+                c.send_body_without_waiting_for_header_response && c.request_body_mode == BodySendMode::Streamed as i32;
+        }
         let reply = match msg.request {
-            Some(Req::RequestHeaders(h)) => Some(self.on_headers(&h)),
-            Some(Req::RequestBody(b)) => {
-                let (p, endpoint) = (self.p.clone(), self.endpoint.take());
-                return Box::pin(async move { Ok(Some(on_body(p, endpoint, b.body, b.end_of_stream).await)) });
+            Some(Req::RequestHeaders(h)) => self.on_headers(&h),
+            Some(Req::RequestBody(b)) => match std::mem::replace(&mut self.read, Read::Pass) {
+                Read::Whole(endpoint) => {
+                    let p = self.p.clone();
+                    return Box::pin(async move {
+                        Ok(Some(vec![on_whole_body(p, endpoint, b.body, b.end_of_stream).await]))
+                    });
+                }
+                gathering @ Read::Gathering { .. } => {
+                    self.read = gathering;
+                    return self.on_chunk(b.body, b.end_of_stream);
+                }
+                Read::Pass => vec![body_response(None, false)],
+            },
+            Some(Req::RequestTrailers(_)) => {
+                let trailers = ProcessingResponse {
+                    response: Some(Resp::RequestTrailers(TrailersResponse { header_mutation: None })),
+                    mode_override: None,
+                };
+                // Trailers end a body: one gathered so far is whole.
+                match std::mem::replace(&mut self.read, Read::Pass) {
+                    Read::Gathering { endpoint, removals, chunks, .. } => {
+                        return self.read_gathered(endpoint, removals, chunks, Some(trailers));
+                    }
+                    _ => vec![trailers],
+                }
             }
-            Some(Req::RequestTrailers(_)) => Some(ProcessingResponse {
-                response: Some(Resp::RequestTrailers(TrailersResponse { header_mutation: None })),
-                mode_override: None,
-            }),
-            Some(Req::ResponseHeaders(_)) => Some(ProcessingResponse {
+            Some(Req::ResponseHeaders(_)) => vec![ProcessingResponse {
                 response: Some(Resp::ResponseHeaders(HeadersResponse { response: common(None, false) })),
                 mode_override: None,
-            }),
-            Some(Req::ResponseBody(_)) => Some(ProcessingResponse {
+            }],
+            Some(Req::ResponseBody(_)) => vec![ProcessingResponse {
                 response: Some(Resp::ResponseBody(BodyResponse { response: common(None, false) })),
                 mode_override: None,
-            }),
-            Some(Req::ResponseTrailers(_)) => Some(ProcessingResponse {
+            }],
+            Some(Req::ResponseTrailers(_)) => vec![ProcessingResponse {
                 response: Some(Resp::ResponseTrailers(TrailersResponse { header_mutation: None })),
                 mode_override: None,
-            }),
-            None => None,
+            }],
+            None => return Box::pin(async { Ok(None) }),
         };
-        Box::pin(async move { Ok(reply) })
+        ready(reply)
     }
 }

@@ -11,6 +11,20 @@ pub struct ProcessingRequest {
     pub request: Option<processing_request::Request>,
     #[prost(bool, tag = "10")]
     pub observability_mode: bool,
+    /// How Envoy sends this stream's bodies; on the first message only.
+    #[prost(message, optional, tag = "11")]
+    pub protocol_config: Option<ProtocolConfiguration>,
+}
+
+/// `envoy.service.ext_proc.v3.ProtocolConfiguration`.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct ProtocolConfiguration {
+    #[prost(enumeration = "BodySendMode", tag = "1")]
+    pub request_body_mode: i32,
+    #[prost(enumeration = "BodySendMode", tag = "2")]
+    pub response_body_mode: i32,
+    #[prost(bool, tag = "3")]
+    pub send_body_without_waiting_for_header_response: bool,
 }
 
 pub mod processing_request {

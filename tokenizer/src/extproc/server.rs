@@ -1,7 +1,8 @@
 //! The gRPC side of ext_proc: `envoy.service.ext_proc.v3.ExternalProcessor/Process`, a
-//! bidirectional stream per HTTP request, served with tonic. Each request message gets
-//! exactly one response (the protocol for every mode but full-duplex), from a
-//! [`StreamHandler`] that keeps what the stream has seen so far.
+//! bidirectional stream per HTTP request, served with tonic. Each request message gets its
+//! response, in order, from a [`StreamHandler`] that keeps what the stream has seen so far;
+//! a handler may hold a message's response back and send it with a later one's (the
+//! headers answered once the body they wait for is read).
 
 use super::proto::{ProcessingRequest, ProcessingResponse};
 use std::sync::Arc;
@@ -11,9 +12,9 @@ use tonic::{Request, Response, Status, Streaming};
 
 /// Answers the messages of one HTTP request's stream, in order.
 pub trait StreamHandler: Send + 'static {
-    /// The response to `msg`; `None` ends the stream cleanly (Envoy then goes on without
-    /// the stage).
-    fn handle(&mut self, msg: ProcessingRequest) -> BoxFuture<Option<ProcessingResponse>, Status>;
+    /// The responses `msg` lets go (none while it waits for more), in order; `None` ends the
+    /// stream cleanly (Envoy then goes on without the stage).
+    fn handle(&mut self, msg: ProcessingRequest) -> BoxFuture<Option<Vec<ProcessingResponse>>, Status>;
 }
 
 /// Makes one [`StreamHandler`] per gRPC stream (given the shared factory, which a handler
@@ -60,7 +61,7 @@ impl<F: HandlerFactory> StreamingService<ProcessingRequest> for Process<F> {
         let mut handler = self.0.clone().new_stream();
         Box::pin(async move {
             let mut incoming = request.into_inner();
-            // One response per message: a small buffer is enough.
+            // Responses go out as they are made: a small buffer is enough.
             let (tx, rx) = tokio::sync::mpsc::channel(4);
             tokio::spawn(async move {
                 loop {
@@ -72,14 +73,18 @@ impl<F: HandlerFactory> StreamingService<ProcessingRequest> for Process<F> {
                             return;
                         }
                     };
-                    let reply = handler.handle(msg).await;
-                    let end = !matches!(reply, Ok(Some(_)));
-                    if let Some(r) = reply.transpose() {
+                    let replies = match handler.handle(msg).await {
+                        Ok(Some(replies)) => replies.into_iter().map(Ok).collect(),
+                        Ok(None) => return,
+                        Err(status) => vec![Err(status)],
+                    };
+                    let failed = replies.iter().any(Result::is_err);
+                    for r in replies {
                         if tx.send(r).await.is_err() {
                             return;
                         }
                     }
-                    if end {
+                    if failed {
                         return;
                     }
                 }
