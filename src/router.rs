@@ -105,6 +105,9 @@ pub struct Decision {
     pub hits: u32,
     /// Of them, blocks it holds only in an offload tier.
     pub offloaded_hits: u32,
+    /// The most cache hits any (decode or aggregated) worker had: above `hits` when the
+    /// cost chose load over a holder.
+    pub most_hits: u32,
     pub cost: f64,
     pub held: Held,
     /// Shared-data values that failed to decode (table, load or buckets).
@@ -138,12 +141,15 @@ impl Decision {
         self.least_cached |= r.least_cached;
     }
 
-    /// `worker=…;hits=…;blocks=…;cost=…[;offloaded=…][;prefill=…][;spilled=1][;memory=1][;holder=1][;least_cached=1][;new_key=1][;implicit_key=1][;redecided=…][;fallback=…]`
+    /// `worker=…;hits=…;blocks=…;cost=…[;most_hits=…][;offloaded=…][;prefill=…][;spilled=1][;memory=1][;holder=1][;least_cached=1][;new_key=1][;implicit_key=1][;redecided=…][;fallback=…]`
     /// for the debug response header.
     pub fn debug_value(&self) -> String {
         let mut s = String::new();
         let worker = self.destinations.first().map(String::as_str).unwrap_or("-");
         let _ = write!(s, "worker={worker};hits={};blocks={};cost={}", self.hits, self.request_blocks, self.cost);
+        if self.most_hits > self.hits {
+            let _ = write!(s, ";most_hits={}", self.most_hits);
+        }
         if self.offloaded_hits > 0 {
             let _ = write!(s, ";offloaded={}", self.offloaded_hits);
         }
@@ -451,6 +457,7 @@ impl Router {
         for s in self.scored.iter().take(self.cfg.max_endpoints) {
             d.destinations.push(table.slots[s.candidate.slot].id.clone());
         }
+        d.most_hits = self.scored.iter().map(|s| s.candidate.cache_hits).max().unwrap_or(0);
         let mut destination = None;
         if let Some(best) = self.scored.first() {
             d.hits = best.candidate.cache_hits;

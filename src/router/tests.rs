@@ -236,6 +236,9 @@ fn the_wait_limit_spills_a_burst_once_its_queue_outweighs_the_prefix() {
         places.push(d.destinations[0].clone());
         spilled.push(d.spilled);
         assert_eq!(d.debug_value().contains(";spilled=1"), d.spilled);
+        // The worker passed over held more of the prompt, and the header says how much.
+        assert_eq!(d.most_hits > d.hits, d.spilled, "{}", d.debug_value());
+        assert_eq!(d.debug_value().contains(&format!(";most_hits={}", d.most_hits)), d.spilled);
         held.push(d.held);
     }
     assert!(places[..8].iter().all(|w| *w == places[0]), "{places:?}");
