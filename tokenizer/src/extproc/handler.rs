@@ -89,8 +89,17 @@ enum Read {
     Pass,
     /// The headers are answered; the body comes whole (`BUFFERED`), for this endpoint.
     Whole(Endpoint),
-    /// The headers wait for the body ([`StreamState::delayed`]): its chunks so far.
-    Gathering { endpoint: Endpoint, removals: Option<HeaderMutation>, chunks: Vec<Bytes>, size: usize },
+    /// The headers wait for the body ([`StreamState::delayed`]).
+    Gathering(Gathered),
+}
+
+/// A body gathered behind headers that wait for it.
+struct Gathered {
+    endpoint: Endpoint,
+    /// The client copies of the routing headers, removed in the headers' answer.
+    removals: Option<HeaderMutation>,
+    chunks: Vec<Bytes>,
+    size: usize,
 }
 
 fn header<'a>(h: &'a HttpHeaders, name: &str) -> Option<&'a [u8]> {
@@ -143,7 +152,7 @@ impl StreamState {
         };
         match skip {
             Ok(endpoint) if self.delayed => {
-                self.read = Read::Gathering { endpoint, removals, chunks: Vec::new(), size: 0 };
+                self.read = Read::Gathering(Gathered { endpoint, removals, chunks: Vec::new(), size: 0 });
                 return Vec::new();
             }
             Ok(endpoint) => self.read = Read::Whole(endpoint),
@@ -159,39 +168,38 @@ impl StreamState {
 
     /// A chunk of a body whose headers wait for it: the answers, once it is whole (or over
     /// the limit).
-    fn on_chunk(&mut self, body: Bytes, end_of_stream: bool) -> BoxFuture<Option<Vec<ProcessingResponse>>, Status> {
-        let Read::Gathering { endpoint, removals, mut chunks, mut size } =
-            std::mem::replace(&mut self.read, Read::Pass)
-        else {
-            return ready(vec![body_response(None, false)]);
-        };
-        size += body.len();
-        chunks.push(body);
-        if size > self.p.max_body_bytes {
+    fn on_chunk(
+        &mut self,
+        mut g: Gathered,
+        body: Bytes,
+        end_of_stream: bool,
+    ) -> BoxFuture<Option<Vec<ProcessingResponse>>, Status> {
+        g.size += body.len();
+        g.chunks.push(body);
+        if g.size > self.p.max_body_bytes {
             self.p.stats.count(Outcome::TooLarge);
-            return ready(answers(removals, Vec::new(), chunks.len()));
+            return ready(answers(g.removals, Vec::new(), g.chunks.len()));
         }
         if !end_of_stream {
-            self.read = Read::Gathering { endpoint, removals, chunks, size };
+            self.read = Read::Gathering(g);
             return ready(Vec::new());
         }
-        self.read_gathered(endpoint, removals, chunks, None)
+        self.read_gathered(g, None)
     }
 
     /// The whole gathered body, read: the held headers' answer, each chunk's, then `last`
     /// (the trailers' answer, when they ended the body).
     fn read_gathered(
         &self,
-        endpoint: Endpoint,
-        removals: Option<HeaderMutation>,
-        mut chunks: Vec<Bytes>,
+        g: Gathered,
         last: Option<ProcessingResponse>,
     ) -> BoxFuture<Option<Vec<ProcessingResponse>>, Status> {
         let p = self.p.clone();
         p.stats.one_round_trip();
         Box::pin(async move {
+            let Gathered { endpoint, removals, mut chunks, .. } = g;
             let n = chunks.len();
-            let body = match chunks.len() {
+            let body = match n {
                 1 => chunks.pop().unwrap_or_default(),
                 _ => chunks.concat().into(),
             };
@@ -205,6 +213,16 @@ impl StreamState {
 /// The delayed headers' answer (their client copies removed, the stage's headers set) and
 /// one answer per body chunk held behind them.
 fn answers(removals: Option<HeaderMutation>, set: Vec<HeaderValueOption>, chunks: usize) -> Vec<ProcessingResponse> {
+    let (mutation, routed) = mutation(removals, set);
+    let mut out = Vec::with_capacity(chunks + 1);
+    out.push(headers_response(mutation, routed, None));
+    out.extend((0..chunks).map(|_| body_response(None, false)));
+    out
+}
+
+/// The mutation that removes `removals`' headers and sets `set`'s, and whether it routes
+/// the request (sets the token header: the route cache must then be cleared).
+fn mutation(removals: Option<HeaderMutation>, set: Vec<HeaderValueOption>) -> (Option<HeaderMutation>, bool) {
     let routed = !set.is_empty();
     let mutation = match removals {
         Some(mut m) => {
@@ -213,10 +231,7 @@ fn answers(removals: Option<HeaderMutation>, set: Vec<HeaderValueOption>, chunks
         }
         None => routed.then(|| HeaderMutation { set_headers: set, remove_headers: Vec::new() }),
     };
-    let mut out = Vec::with_capacity(chunks + 1);
-    out.push(headers_response(mutation, routed, None));
-    out.extend((0..chunks).map(|_| body_response(None, false)));
-    out
+    (mutation, routed)
 }
 
 fn headers_response(
@@ -253,9 +268,8 @@ async fn on_whole_body(
         p.stats.count(Outcome::TooLarge);
         return body_response(None, false);
     }
-    let set = read_prompt(&p, endpoint, body).await;
-    let routed = !set.is_empty();
-    body_response(routed.then(|| HeaderMutation { set_headers: set, remove_headers: Vec::new() }), routed)
+    let (mutation, routed) = mutation(None, read_prompt(&p, endpoint, body).await);
+    body_response(mutation, routed)
 }
 
 /// The headers to set for a whole body: its token ids and the namespace it names; none if
@@ -315,10 +329,7 @@ impl StreamHandler for StreamState {
                         Ok(Some(vec![on_whole_body(p, endpoint, b.body, b.end_of_stream).await]))
                     });
                 }
-                gathering @ Read::Gathering { .. } => {
-                    self.read = gathering;
-                    return self.on_chunk(b.body, b.end_of_stream);
-                }
+                Read::Gathering(g) => return self.on_chunk(g, b.body, b.end_of_stream),
                 Read::Pass => vec![body_response(None, false)],
             },
             Some(Req::RequestTrailers(_)) => {
@@ -328,9 +339,7 @@ impl StreamHandler for StreamState {
                 };
                 // Trailers end a body: one gathered so far is whole.
                 match std::mem::replace(&mut self.read, Read::Pass) {
-                    Read::Gathering { endpoint, removals, chunks, .. } => {
-                        return self.read_gathered(endpoint, removals, chunks, Some(trailers));
-                    }
+                    Read::Gathering(g) => return self.read_gathered(g, Some(trailers)),
                     _ => vec![trailers],
                 }
             }
