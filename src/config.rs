@@ -151,6 +151,7 @@ struct RawFilterConfig {
     offload_hit_credit: f64,
     active_blocks: ActiveBlocks,
     prefill_load_weight: f64,
+    prefill_drain: bool,
     wait_slack_per_hit: Option<f64>,
     idle_wait_slack_per_hit: Option<f64>,
     holder_tie_per_hit: Option<f64>,
@@ -190,6 +191,7 @@ impl Default for RawFilterConfig {
             offload_hit_credit: DEFAULT_OFFLOAD_HIT_CREDIT,
             active_blocks: ActiveBlocks::Potential,
             prefill_load_weight: DEFAULT_PREFILL_LOAD_WEIGHT,
+            prefill_drain: false,
             wait_slack_per_hit: Some(DEFAULT_WAIT_SLACK_PER_HIT),
             idle_wait_slack_per_hit: Some(DEFAULT_IDLE_WAIT_SLACK_PER_HIT),
             holder_tie_per_hit: Some(DEFAULT_HOLDER_TIE_PER_HIT),
@@ -261,6 +263,11 @@ pub struct FilterConfig {
     /// Weight of a worker's outstanding prefill (uncached prompt blocks of requests routed
     /// there whose first response bytes have not come back) in the cost.
     pub prefill_load_weight: f64,
+    /// A worker's outstanding prefill counts less what it has computed since it began
+    /// draining, at the rate its ended prefills were computed at
+    /// ([`crate::layout::SlotLoad::draining_prefill`]), in the cost, the wait limit and the
+    /// holder tie; `false`: as charged, until each request's first token.
+    pub prefill_drain: bool,
     /// The wait limit ([`crate::score`]): the blocks of extra prefill queueing each cache hit
     /// may buy against the least-waiting worker. `None`: no limit.
     pub wait_slack_per_hit: Option<f64>,
@@ -437,6 +444,7 @@ impl FilterConfig {
             },
             active_blocks: raw.active_blocks,
             prefill_load_weight,
+            prefill_drain: raw.prefill_drain,
             wait_slack_per_hit,
             idle_wait_slack_per_hit,
             holder_tie_per_hit,
@@ -588,6 +596,7 @@ mod tests {
         assert_eq!(c.prefill_overlap_weight, 1.0);
         assert_eq!(c.mode, Mode::Aggregated);
         assert_eq!((c.active_blocks, c.prefill_load_weight), (ActiveBlocks::Potential, DEFAULT_PREFILL_LOAD_WEIGHT));
+        assert!(!c.prefill_drain, "measured: more hits on a hot prefix for a longer tail (docs/benchmarks.md)");
         assert_eq!(FilterConfig::from_json(b"{}").unwrap(), c);
         let literal = FilterConfig::from_json(br#"{"active_blocks": "in_flight", "prefill_load_weight": 0}"#).unwrap();
         assert_eq!((literal.active_blocks, literal.prefill_load_weight), (ActiveBlocks::InFlight, 0.0));
@@ -655,6 +664,7 @@ mod tests {
             (r#"{"offload_hit_credit": -0.1}"#, "offload_hit_credit"),
             (r#"{"prefill_load_weight": -2}"#, "prefill_load_weight"),
             (r#"{"prefill_load_weight": null}"#, "invalid type"),
+            (r#"{"prefill_drain": "yes"}"#, "invalid type"),
             (r#"{"wait_slack_per_hit": -0.5}"#, "wait_slack_per_hit"),
             (r#"{"idle_wait_slack_per_hit": -0.5}"#, "idle_wait_slack_per_hit"),
             (r#"{"wait_slack_per_hit": "some"}"#, "invalid type"),

@@ -7,7 +7,7 @@
 //! | key | writer | value |
 //! |---|---|---|
 //! | `kvroute.workers` | sync | [`WorkerTable`]: slots, ids, roles, up/down, feed state |
-//! | `kvroute.load` | filters (CAS) | [`LoadVector`]: distinct in-flight blocks per slot |
+//! | `kvroute.slotload` | filters (CAS) | [`LoadVector`]: distinct in-flight blocks and outstanding prefill per slot |
 //! | `kvroute.cached` | sync | [`CachedBlocks`]: blocks each slot holds in GPU memory |
 //! | `kvroute.b.{0..n_buckets}` | sync + filters (CAS) | [`Bucket`]: cached blocks and in-flight/predicted blocks |
 //! | `kvroute.k.{0..64}`, `kvroute.keyload` | filters (CAS) | cache keys ([`crate::cachekey`]) |
@@ -24,7 +24,7 @@ pub use crate::slots::MAX_SLOTS;
 use std::fmt;
 
 pub const TABLE_KEY: &str = "kvroute.workers";
-pub const LOAD_KEY: &str = "kvroute.load";
+pub const LOAD_KEY: &str = "kvroute.slotload";
 pub const CACHED_KEY: &str = "kvroute.cached";
 pub(crate) const BUCKET_KEY_PREFIX: &str = "kvroute.b.";
 
@@ -343,14 +343,22 @@ impl EpochCount {
     }
 }
 
-/// One slot's load: its distinct in-flight prompt blocks (`active_blocks`) and its
-/// outstanding prefill, the uncached prompt blocks of requests whose prefill has not
-/// finished, kept in two epochs of [`PREFILL_EPOCH_MS`] ([`EpochCount`]): a sum with
-/// nothing to expire it entry by entry.
+/// One slot's load: its distinct in-flight prompt blocks (`active`) and its outstanding
+/// prefill, the uncached prompt blocks of requests whose prefill has not finished, kept in
+/// two epochs of [`PREFILL_EPOCH_MS`] ([`EpochCount`]): a sum with nothing to expire it
+/// entry by entry. Charged whole until each request's first token, it overstates what is
+/// left while the engine works through it, so the slot also keeps when its prefill last
+/// began draining and the rate it drains at ([`PrefillRate`], learned from the prefills
+/// that ended): [`SlotLoad::draining_prefill`] is the sum less what that rate has
+/// computed since.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct SlotLoad {
     pub active: u32,
     pub prefill: EpochCount,
+    /// ms (wrapping `u32` of the writer's clock) when the outstanding prefill began
+    /// draining: the last prefill end on the slot, or the charge that found it idle.
+    pub prefill_since_ms: u32,
+    pub prefill_rate: PrefillRate,
 }
 
 /// Length of an outstanding-prefill epoch: a prefill still running after a minute may stop
@@ -362,10 +370,69 @@ pub fn prefill_epoch(now_ms: u64) -> u32 {
     (now_ms / PREFILL_EPOCH_MS) as u32
 }
 
+/// A slot's prefill rate as sums of the blocks its ended prefills computed and the busy ms
+/// they took, each sum decayed by 1/8 at every ended prefill (about the last eight count),
+/// in 1/16 units. A ratio of sums, not a mean of ratios: prefills batched into one engine
+/// step end together, the first with the step's whole time and the rest with none, and
+/// only their sums give the rate.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PrefillRate {
+    pub blocks: u32,
+    pub ms: u32,
+}
+
+/// Longest busy time one ended prefill counts for, and longest a drain runs: a slot whose
+/// prefill started longer ago is stale (charges expire within two epochs anyway).
+const MAX_DRAIN_MS: u32 = 2 * PREFILL_EPOCH_MS as u32;
+
+impl PrefillRate {
+    /// An ended prefill of `blocks` that kept the slot busy `ms`.
+    fn sample(&mut self, blocks: u32, ms: u32) {
+        let decayed = |sum: u32, x: u32| sum - sum / 8 + x.saturating_mul(16).min(u32::MAX / 2);
+        self.blocks = decayed(self.blocks, blocks);
+        self.ms = decayed(self.ms, ms);
+    }
+
+    /// Blocks computed in `ms` at this rate; none before any prefill ended.
+    pub fn blocks_in(&self, ms: u32) -> u32 {
+        match self.ms {
+            0 => 0,
+            per => (u64::from(ms) * u64::from(self.blocks) / u64::from(per)).min(u64::from(u32::MAX)) as u32,
+        }
+    }
+}
+
+fn elapsed_ms(now_ms: u64, since_ms: u32) -> u32 {
+    (now_ms as u32).wrapping_sub(since_ms).min(MAX_DRAIN_MS)
+}
+
 impl SlotLoad {
-    /// Outstanding prefill blocks as of `epoch`.
+    /// Outstanding prefill blocks as of `epoch`, as charged.
     pub fn pending_prefill(&self, epoch: u32) -> u32 {
         self.prefill.get(epoch)
+    }
+
+    /// Outstanding prefill blocks at `now_ms`, less what the slot's learned rate has
+    /// computed since its prefill began draining.
+    pub fn draining_prefill(&self, now_ms: u64) -> u32 {
+        let pending = self.pending_prefill(prefill_epoch(now_ms));
+        pending.saturating_sub(self.prefill_rate.blocks_in(elapsed_ms(now_ms, self.prefill_since_ms)))
+    }
+
+    /// Applies one change at the writer's `now_ms`. A release of a prefill that `ended`
+    /// (its first token came) is a sample of the slot's rate and restarts the drain; a
+    /// charge on an idle slot starts it.
+    fn change_prefill(&mut self, c: &PrefillChange, now_ms: u64, ended: bool) {
+        let epoch = prefill_epoch(now_ms);
+        let pending = self.pending_prefill(epoch);
+        if c.blocks > 0 && pending == 0 {
+            self.prefill_since_ms = now_ms as u32;
+        } else if c.blocks < 0 && ended && pending > 0 {
+            let blocks = c.blocks.unsigned_abs().min(u64::from(u32::MAX)) as u32;
+            self.prefill_rate.sample(blocks, elapsed_ms(now_ms, self.prefill_since_ms));
+            self.prefill_since_ms = now_ms as u32;
+        }
+        self.prefill.add(c.epoch, c.blocks, epoch);
     }
 }
 
@@ -386,9 +453,13 @@ impl PrefillChange {
 }
 
 /// Per slot (indexed by slot) [`SlotLoad`]: `n_slots × (u32 active, u32 prefill_epoch,
-/// u32 prefill_now, u32 prefill_before)` little-endian; missing tail slots are all 0.
+/// u32 prefill_now, u32 prefill_before, u32 prefill_since_ms, u32 rate_blocks, u32
+/// rate_ms)` little-endian; missing tail slots are all 0.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct LoadVector(pub Vec<SlotLoad>);
+
+/// Bytes of one slot's record in the load vector.
+pub const LOAD_RECORD: usize = 7 * 4;
 
 /// Per-slot records of `N` little-endian `u32`s, at most [`MAX_SLOTS`]; a trailing partial
 /// record is ignored (the writers' layout is ours). The load vector's and the cache keys'
@@ -429,21 +500,37 @@ pub(crate) fn slot_record<T: Default + Clone>(records: &mut Vec<T>, slot: usize)
 
 impl LoadVector {
     pub fn decode(bytes: &[u8]) -> LoadVector {
-        LoadVector(decode_slot_records(bytes, |[active, epoch, now, before]| SlotLoad {
+        LoadVector(decode_slot_records(bytes, |[active, epoch, now, before, since, blocks, ms]| SlotLoad {
             active,
             prefill: EpochCount { epoch, now, before },
+            prefill_since_ms: since,
+            prefill_rate: PrefillRate { blocks, ms },
         }))
     }
     pub fn encode(&self) -> Vec<u8> {
-        encode_slot_records(&self.0, |s| [s.active, s.prefill.epoch, s.prefill.now, s.prefill.before])
+        encode_slot_records(&self.0, |s| {
+            [
+                s.active,
+                s.prefill.epoch,
+                s.prefill.now,
+                s.prefill.before,
+                s.prefill_since_ms,
+                s.prefill_rate.blocks,
+                s.prefill_rate.ms,
+            ]
+        })
     }
     /// `active_blocks` of `slot`.
     pub fn get(&self, slot: usize) -> u32 {
         self.0.get(slot).map_or(0, |s| s.active)
     }
-    /// Outstanding prefill blocks of `slot` as of `epoch`.
+    /// Outstanding prefill blocks of `slot` as of `epoch`, as charged.
     pub fn pending_prefill(&self, slot: usize, epoch: u32) -> u32 {
         self.0.get(slot).map_or(0, |s| s.pending_prefill(epoch))
+    }
+    /// Outstanding prefill blocks of `slot` at `now_ms`, drained ([`SlotLoad::draining_prefill`]).
+    pub fn draining_prefill(&self, slot: usize, now_ms: u64) -> u32 {
+        self.0.get(slot).map_or(0, |s| s.draining_prefill(now_ms))
     }
     fn slot_mut(&mut self, slot: usize) -> Option<&mut SlotLoad> {
         slot_record(&mut self.0, slot)
@@ -456,12 +543,14 @@ impl LoadVector {
             }
         }
     }
-    /// Applies changes of outstanding prefill at epoch `epoch` (the writer's now). A change
-    /// for an epoch that is no longer kept is dropped: that charge has expired already.
-    pub fn apply_prefill(&mut self, changes: &[PrefillChange], epoch: u32) {
+    /// Applies changes of outstanding prefill at the writer's `now_ms`; the releases among
+    /// them are of prefills that `ended` (their first token came: a sample of the slot's
+    /// rate) or not (streams that ended before it). A change for an epoch that is no longer
+    /// kept is dropped: that charge has expired already.
+    pub fn apply_prefill(&mut self, changes: &[PrefillChange], now_ms: u64, ended: bool) {
         for c in changes {
             if let Some(s) = self.slot_mut(c.slot) {
-                s.prefill.add(c.epoch, c.blocks, epoch);
+                s.change_prefill(c, now_ms, ended);
             }
         }
     }
@@ -951,13 +1040,14 @@ mod tests {
     #[test]
     fn outstanding_prefill_lives_two_epochs_at_most() {
         let ch = |slot, epoch, blocks| PrefillChange { slot, epoch, blocks };
+        let at = |epoch: u64| epoch * PREFILL_EPOCH_MS;
         let mut l = LoadVector::default();
-        l.apply_prefill(&[ch(1, 10, 50), ch(1, 10, 30)], 10);
+        l.apply_prefill(&[ch(1, 10, 50), ch(1, 10, 30)], at(10), false);
         assert_eq!((l.pending_prefill(1, 10), l.get(1)), (80, 0));
         // The next epoch still counts it, and releases go to the epoch they were charged in.
-        l.apply_prefill(&[ch(1, 11, 7)], 11);
+        l.apply_prefill(&[ch(1, 11, 7)], at(11), false);
         assert_eq!(l.pending_prefill(1, 11), 87);
-        l.apply_prefill(&[ch(1, 10, -30)], 11);
+        l.apply_prefill(&[ch(1, 10, -30)], at(11), false);
         assert_eq!(l.pending_prefill(1, 11), 57);
         assert_eq!(LoadVector::decode(&l.encode()), l);
         // A reader one epoch ahead of the last writer sees only the newer epoch; two ahead,
@@ -965,11 +1055,47 @@ mod tests {
         assert_eq!(l.pending_prefill(1, 12), 7);
         assert_eq!(l.pending_prefill(1, 13), 0);
         // A release for an epoch no longer kept changes nothing.
-        l.apply_prefill(&[ch(1, 10, -50)], 12);
+        l.apply_prefill(&[ch(1, 10, -50)], at(12), false);
         assert_eq!(l.pending_prefill(1, 12), 7);
         // Saturates at 0, and a writer whose clock is behind does not move epochs back.
-        l.apply_prefill(&[ch(1, 11, -99)], 11);
+        l.apply_prefill(&[ch(1, 11, -99)], at(11), false);
         assert_eq!((l.0[1].prefill.epoch, l.pending_prefill(1, 12)), (12, 0));
         assert_eq!(l.pending_prefill(7, 12), 0);
     }
+}
+
+#[test]
+fn outstanding_prefill_drains_at_the_rate_ended_prefills_were_computed_at() {
+    let ch = |blocks| PrefillChange { slot: 0, epoch: 0, blocks };
+    let mut l = LoadVector::default();
+    // Before any prefill ended nothing is known of the rate: the charge stands whole.
+    l.apply_prefill(&[ch(100)], 1_000, false);
+    assert_eq!(l.draining_prefill(0, 5_000), 100);
+    // 100 blocks ended 500 ms after the charge found the slot idle: 0.2 blocks/ms. A
+    // charge while it ran does not restart the drain; the end does.
+    l.apply_prefill(&[ch(60)], 1_200, false);
+    l.apply_prefill(&[ch(-100)], 1_500, true);
+    assert_eq!(l.0[0].prefill_rate.blocks_in(500), 100);
+    assert_eq!(l.draining_prefill(0, 1_500), 60);
+    assert_eq!(l.draining_prefill(0, 1_600), 40);
+    assert_eq!(l.draining_prefill(0, 1_900), 0, "never below 0");
+    assert_eq!(l.pending_prefill(0, 0), 60, "the charge itself stands until its end");
+    // A stream that ended before its first token is no sample, and the drain goes on.
+    let rate = l.0[0].prefill_rate;
+    l.apply_prefill(&[ch(40), ch(-40)], 1_700, false);
+    assert_eq!((l.0[0].prefill_rate, l.draining_prefill(0, 1_700)), (rate, 20));
+    // Two prefills of one engine step end together: the first takes the step's time,
+    // the second none, and their sum gives the rate (60 + 40 blocks in 500 ms; the
+    // first sample already decayed by an eighth when the second comes).
+    let mut l = LoadVector::default();
+    l.apply_prefill(&[ch(60), ch(40)], 0, false);
+    l.apply_prefill(&[ch(-60)], 500, true);
+    assert_eq!(l.0[0].prefill_rate.blocks_in(500), 60);
+    l.apply_prefill(&[ch(-40)], 500, true);
+    assert_eq!(l.0[0].prefill_rate.blocks_in(500), 105);
+    assert_eq!(LoadVector::decode(&l.encode()), l);
+    // A drain that started long ago (a clock jump, a stale slot) stops at two epochs.
+    l.apply_prefill(&[ch(1_000_000)], 1_000, false);
+    assert_eq!(l.draining_prefill(0, 1_000 + 10 * PREFILL_EPOCH_MS), 0);
+    assert_eq!(l.0[0].draining_prefill(u64::from(u32::MAX) + 2_000), 0, "the ms clock wraps");
 }

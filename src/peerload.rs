@@ -1,5 +1,5 @@
 //! Load shared between gateway replicas. Each Envoy counts only the requests it routed
-//! (`kvroute.load`); with several replicas in front of one fleet each would see part of
+//! (`kvroute.slotload`); with several replicas in front of one fleet each would see part of
 //! every engine's queue. So each sync service reports its gateway's per-worker load to its
 //! sidecar ([`Report`], `POST /v1/load`), the sidecars exchange the reports, and the answer
 //! ([`Answer`]) is the sum of every *other* gateway's load, which the sync service writes
@@ -147,7 +147,11 @@ mod tests {
         let t = table(&["a:1", "b:1", "c:1"]);
         let mut load = LoadVector::default();
         load.apply(&[(0, 40), (2, 7)]);
-        load.apply_prefill(&[PrefillChange { slot: 2, epoch: 5, blocks: 3 }], 5);
+        load.apply_prefill(
+            &[PrefillChange { slot: 2, epoch: 5, blocks: 3 }],
+            5 * crate::layout::PREFILL_EPOCH_MS,
+            false,
+        );
         let r = Report::of("gw", &t, &load, 5);
         let want: BTreeMap<_, _> = [
             ("a:1".into(), WorkerLoad { active: 40, prefill: 0 }),

@@ -237,7 +237,7 @@ struct Request<'a> {
     blocks: u32,
     /// Tie-break key: the first block's hash, or entropy for a request without blocks.
     key: u64,
-    epoch: u32,
+    now_ms: u64,
     /// A new cache key's charge per key live on a worker, in blocks, the counts and the
     /// live window.
     key_charge: Option<(f64, &'a KeyLoad, u32)>,
@@ -395,7 +395,6 @@ impl Router {
         let carrying = if self.reads_in_flight() { candidates } else { SlotSet::EMPTY };
         let scan = Scan::new(table.slots.len(), holding, carrying);
         let (scan, scanned) = self.scan(store, hashes, table.n_buckets, scan, now_ms, d);
-        let epoch = prefill_epoch(now_ms);
         self.cached = None;
         // A cache key: read when keys are on; a new one is charged per key on each worker,
         // but for an implicit key found continuing its conversation (its first step went
@@ -430,7 +429,7 @@ impl Router {
             peers: &peers,
             blocks: d.request_blocks,
             key: hashes.first().copied().unwrap_or(entropy),
-            epoch,
+            now_ms,
             key_charge,
         };
 
@@ -476,7 +475,7 @@ impl Router {
             let prefill = chosen.first().and_then(|&slot| {
                 let slot = usize::from(slot);
                 let blocks = own_prefill(&scan, slot, d.request_blocks);
-                let charge = PrefillChange { slot, epoch, blocks: i64::from(blocks) };
+                let charge = PrefillChange { slot, epoch: prefill_epoch(now_ms), blocks: i64::from(blocks) };
                 (self.tracks_prefill() && blocks > 0).then_some(charge)
             });
             chosen.sort_unstable();
@@ -711,7 +710,13 @@ impl Router {
             // less what siblings compute there on this request's blocks (work this request
             // needs done anyway), plus the request's own.
             let own = if prefills { own_prefill(scan, slot, request_blocks) } else { 0 };
-            let outstanding = r.load.pending_prefill(slot, r.epoch).saturating_add(peer.prefill);
+            // As charged until each first token, or less what the worker has computed since.
+            let own_outstanding = if self.cfg.prefill_drain {
+                r.load.draining_prefill(slot, r.now_ms)
+            } else {
+                r.load.pending_prefill(slot, prefill_epoch(r.now_ms))
+            };
+            let outstanding = own_outstanding.saturating_add(peer.prefill);
             let queued = outstanding.saturating_sub(scan.computing(slot));
             self.candidates.push(Candidate {
                 slot,
@@ -814,8 +819,7 @@ impl Router {
                 }
             }
         }
-        let epoch = prefill_epoch(now_ms);
-        if update_load(store, &delta, prefill.as_slice(), epoch, commit.load_read, &mut d.shared_reads) {
+        if update_load(store, &delta, prefill.as_slice(), now_ms, false, commit.load_read, &mut d.shared_reads) {
             held.prefill = prefill;
         } else {
             d.update_failures += 1;
@@ -830,7 +834,7 @@ impl Router {
         let Some(charge) = held.prefill.take() else { return (0, 0) };
         let release = [charge.undone()];
         let mut reads = 0;
-        let ok = update_load(store, &ActiveDelta::default(), &release, prefill_epoch(now_ms), None, &mut reads);
+        let ok = update_load(store, &ActiveDelta::default(), &release, now_ms, true, None, &mut reads);
         (reads, u32::from(!ok))
     }
 
@@ -871,7 +875,7 @@ impl Router {
                 Err(_) => failures += 1,
             }
         }
-        if !update_load(store, &delta, &prefills, prefill_epoch(now_ms), None, &mut reads) {
+        if !update_load(store, &delta, &prefills, now_ms, false, None, &mut reads) {
             failures += 1;
         }
         failures
@@ -991,12 +995,15 @@ fn update_bucket(
 }
 
 /// Applies per-slot changes of active blocks and of outstanding prefill (at the writer's
-/// `epoch`) to the load vector; the first attempt may use a value already read.
+/// `now_ms`; releases of prefills that `ended` or not, [`LoadVector::apply_prefill`]) to
+/// the load vector; the first attempt may use a value already read.
+#[allow(clippy::too_many_arguments)]
 fn update_load(
     store: &dyn SharedStore,
     delta: &ActiveDelta,
     prefill: &[PrefillChange],
-    epoch: u32,
+    now_ms: u64,
+    ended: bool,
     first_read: Option<Versioned>,
     reads: &mut u32,
 ) -> bool {
@@ -1006,7 +1013,7 @@ fn update_load(
     let edit = |value: &[u8]| {
         let mut load = LoadVector::decode(value);
         load.apply(&delta.0);
-        load.apply_prefill(prefill, epoch);
+        load.apply_prefill(prefill, now_ms, ended);
         Ok::<_, ()>(Edit::Write(load.encode(), ()))
     };
     update(store, LOAD_KEY, first_read, reads, edit).is_ok()

@@ -11,7 +11,7 @@ use kvroute::config::FilterConfig;
 use kvroute::feed::{FeedBlock, FeedWorker, Frame, FrameKind, Op};
 use kvroute::hash::BASE_NAMESPACE;
 use kvroute::index::{publish, SyncIndex};
-use kvroute::layout::{bucket_key, bucket_of, EpochCount, LoadVector, SlotLoad, LOAD_KEY, TABLE_KEY};
+use kvroute::layout::{bucket_key, bucket_of, EpochCount, LoadVector, PrefillRate, SlotLoad, LOAD_KEY, TABLE_KEY};
 use kvroute::role::Role;
 use kvroute::router::{Router, TokenSource};
 use kvroute::store::{MemStore, SharedStore};
@@ -85,7 +85,12 @@ fn main() {
     let store = MemStore::new();
     publish(&mut index, &store);
     let load = LoadVector(vec![
-        SlotLoad { active: 3, prefill: EpochCount { epoch: 16, now: 2, before: 0 } },
+        SlotLoad {
+            active: 3,
+            prefill: EpochCount { epoch: 16, now: 2, before: 0 },
+            prefill_since_ms: 960_100,
+            prefill_rate: PrefillRate { blocks: 160, ms: 800 },
+        },
         SlotLoad::default(),
         SlotLoad { active: 9, ..SlotLoad::default() },
     ]);

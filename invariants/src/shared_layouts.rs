@@ -23,7 +23,7 @@ use kvroute::feed::FeedBlock;
 use kvroute::hash::BASE_NAMESPACE;
 use kvroute::layout::{
     bucket_key, bucket_of, encode_bucket, Bucket, CachedBlocks, LoadVector, SlotState, WorkerTable, CACHED_KEY,
-    LOAD_KEY, TABLE_KEY,
+    LOAD_KEY, LOAD_RECORD, TABLE_KEY,
 };
 use kvroute::peerload::{PeerLoad, PEERLOAD_KEY};
 use kvroute::router::{Router, TokenSource};
@@ -42,7 +42,7 @@ pub fn check(data: &[u8]) {
         assert_eq!(WorkerTable::decode(&t.encode()).as_ref(), Ok(t), "table does not round-trip");
     }
     let load = LoadVector::decode(load_bytes);
-    let whole = (load_bytes.len() / 16).min(MAX_SLOTS) * 16;
+    let whole = (load_bytes.len() / LOAD_RECORD).min(MAX_SLOTS) * LOAD_RECORD;
     assert_eq!(load.encode(), load_bytes[..whole], "load vector does not round-trip");
     if let Ok(c) = CachedBlocks::decode(load_bytes) {
         assert_eq!(c.encode(), load_bytes, "cached-block counts do not round-trip");
@@ -148,7 +148,11 @@ fn assert_written_layouts_decode(store: &MemStore, keys: &BTreeSet<String>, buck
         }
     }
     if let Ok((Some(v), _)) = store.get(LOAD_KEY) {
-        assert_eq!(LoadVector::decode(&v).encode(), v[..(v.len() / 16).min(MAX_SLOTS) * 16], "load vector");
+        assert_eq!(
+            LoadVector::decode(&v).encode(),
+            v[..(v.len() / LOAD_RECORD).min(MAX_SLOTS) * LOAD_RECORD],
+            "load vector"
+        );
     }
 }
 

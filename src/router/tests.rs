@@ -889,3 +889,32 @@ fn a_decision_raced_on_its_prompt_is_made_again_and_joins_its_sibling() {
     // Every block in flight once: 30 shared, 2 + 2 own, on the sibling's worker.
     assert_eq!(actives(&store)[1 - busy], 34);
 }
+
+#[test]
+fn a_drained_prefill_queue_keeps_a_nearly_done_holder() {
+    // Worker 0 holds 8 of the request's 10 blocks and was charged 100 blocks of prefill
+    // 900 ms ago; its prefills ended at 0.1 blocks/ms, so ~10 are left. Worker 1 is idle.
+    let p = prompt(1, 160);
+    let busy = |rate| crate::layout::SlotLoad {
+        prefill: crate::layout::EpochCount { epoch: 0, now: 100, before: 0 },
+        prefill_since_ms: 0,
+        prefill_rate: rate,
+        ..Default::default()
+    };
+    let learned = crate::layout::PrefillRate { blocks: 16 * 100, ms: 16 * 1000 };
+    for (drain, rate, holder) in [
+        // As charged, the holder costs 2 + 10 + 102 against the idle worker's 30 (and its
+        // wait, 102 blocks against 10, is past the wait limit).
+        (false, learned, false),
+        // Drained, it costs 2 + 10 + 12 and the request waits 12 blocks, within 10 + 0.45 × 8.
+        (true, learned, true),
+        // Nothing drains before any prefill ended.
+        (true, crate::layout::PrefillRate::default(), false),
+    ] {
+        let (store, _) = fleet(2, vec![Op::Store { worker: 0, blocks: feed_blocks(&p[..128]) }]);
+        store.set(LOAD_KEY, &LoadVector(vec![busy(rate)]).encode(), None).unwrap();
+        let mut r = Router::new(cfg(&format!(r#"{{"prefill_drain": {drain}}}"#)));
+        let d = route(&mut r, &store, &p, 900);
+        assert_eq!(d.destinations[0] == "10.0.0.0:8000", holder, "{drain} {rate:?}: {}", d.debug_value());
+    }
+}
