@@ -108,6 +108,9 @@ pub struct Decision {
     /// The most cache hits any (decode or aggregated) worker had: above `hits` when the
     /// cost chose load over a holder.
     pub most_hits: u32,
+    /// When above `hits`: the cheapest such holder's cost, `active_blocks` and
+    /// `pending_prefill`, to tell which term passed it over.
+    pub holder_terms: Option<(f64, u32, u32)>,
     pub cost: f64,
     pub held: Held,
     /// Shared-data values that failed to decode (table, load or buckets).
@@ -141,7 +144,7 @@ impl Decision {
         self.least_cached |= r.least_cached;
     }
 
-    /// `worker=…;hits=…;blocks=…;cost=…[;most_hits=…][;offloaded=…][;prefill=…][;spilled=1][;memory=1][;holder=1][;least_cached=1][;new_key=1][;implicit_key=1][;redecided=…][;fallback=…]`
+    /// `worker=…;hits=…;blocks=…;cost=…[;most_hits=…;holder_cost=…;holder_active=…;holder_prefill=…][;offloaded=…][;prefill=…][;spilled=1][;memory=1][;holder=1][;least_cached=1][;new_key=1][;implicit_key=1][;redecided=…][;fallback=…]`
     /// for the debug response header.
     pub fn debug_value(&self) -> String {
         let mut s = String::new();
@@ -149,6 +152,9 @@ impl Decision {
         let _ = write!(s, "worker={worker};hits={};blocks={};cost={}", self.hits, self.request_blocks, self.cost);
         if self.most_hits > self.hits {
             let _ = write!(s, ";most_hits={}", self.most_hits);
+            if let Some((cost, active, prefill)) = self.holder_terms {
+                let _ = write!(s, ";holder_cost={cost};holder_active={active};holder_prefill={prefill}");
+            }
         }
         if self.offloaded_hits > 0 {
             let _ = write!(s, ";offloaded={}", self.offloaded_hits);
@@ -457,6 +463,12 @@ impl Router {
             d.destinations.push(table.slots[s.candidate.slot].id.clone());
         }
         d.most_hits = self.scored.iter().map(|s| s.candidate.cache_hits).max().unwrap_or(0);
+        d.holder_terms = self
+            .scored
+            .iter()
+            .filter(|s| s.candidate.cache_hits == d.most_hits)
+            .min_by(|a, b| a.cost.total_cmp(&b.cost))
+            .map(|s| (s.cost, s.candidate.active_blocks, s.candidate.pending_prefill));
         let mut destination = None;
         if let Some(best) = self.scored.first() {
             d.hits = best.candidate.cache_hits;

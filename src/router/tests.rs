@@ -916,5 +916,10 @@ fn a_drained_prefill_queue_keeps_a_nearly_done_holder() {
         let mut r = Router::new(cfg(&format!(r#"{{"prefill_drain": {drain}}}"#)));
         let d = route(&mut r, &store, &p, 900);
         assert_eq!(d.destinations[0] == "10.0.0.0:8000", holder, "{drain} {rate:?}: {}", d.debug_value());
+        if !holder && rate == learned {
+            // Passed over, it is named with the terms that did it: 2 misses, 10 blocks it
+            // would carry and 102 of prefill to wait for.
+            assert!(d.debug_value().contains(";most_hits=8;holder_cost=114;holder_active=10;holder_prefill=102"));
+        }
     }
 }
