@@ -53,6 +53,8 @@ deployment that code runs inside the engine).
 import argparse
 import json
 import pathlib
+import random
+import re
 import subprocess
 import sys
 import threading
@@ -65,6 +67,7 @@ from harness import (FLEET, TOKENIZER_DIR, Envoy, Processes, Tokenizer, free_por
                      render_config, reset_fleet, start_fleet, wait_for, wait_http_ok, wait_synced)
 from harness.procs import Service  # noqa: E402
 import clients  # noqa: E402
+import cold_path  # noqa: E402
 import dynamo_fleet  # noqa: E402
 import routing_quality as rq  # noqa: E402
 from dynamo_peer import PINS as DYNAMO_PINS  # noqa: E402
@@ -358,6 +361,10 @@ def main():
     ap.add_argument("--background-cpu", type=float, default=0.0, metavar="CORES",
                     help="keep a busy loop on this share of one core (0-1) while each line runs: "
                          "what a router's CPU alone would do to the engines' latency")
+    ap.add_argument("--warmup", type=int, default=0, metavar="BURSTS",
+                    help="before each line's workload, this many bursts of 12 unrelated requests through its "
+                         "router, then the engines emptied (the fleet only): what a router pays once after it "
+                         "starts is left out")
     ap.add_argument("--cache-key", action="store_true",
                     help="send OpenAI's prompt_cache_key with every request (the conversation in chat and the "
                          "agentic loop, the group in shared-prefix workloads), as agent clients do; every line "
@@ -471,6 +478,23 @@ def background_cpu(cores):
     return subprocess.Popen([sys.executable, "-c", loop])
 
 
+def warm_up(target, bursts, engines, sidecar, seed):
+    """`bursts` bursts of 12 streamed completions at once, each burst one new text of the
+    tokenizer's words, through the router just started; then the engines are emptied, so
+    the workload finds them as without it. What a router pays once after it starts (new
+    connections, first tokenizations, code compiled on first use) is then left out."""
+    vocab = json.loads((TOKENIZER_DIR / "tokenizer.json").read_text())["model"]["vocab"]
+    words = sorted(w[1:] for w in vocab if re.fullmatch("\u0120[a-z]+", w))
+    rng = random.Random(seed + 1_000_003)
+    host, port = target.rsplit(":", 1)
+    for _ in range(bursts):
+        doc = " ".join(rng.choice(words) for _ in range(1500))
+        cold_path.burst_ttfts(int(port), [f"{doc} {' '.join(rng.choice(words) for _ in range(20))}"
+                                          for _ in range(12)])
+    if sidecar:
+        reset_fleet(engines, sidecar)
+
+
 def run_line(args, procs, fleet, port, line, wname, wargs, settings, out):
     """One line on one workload: its router started in front of empty engines, the
     workload driven through it, the router stopped. (summary, samples or None)."""
@@ -501,6 +525,18 @@ def run_line(args, procs, fleet, port, line, wname, wargs, settings, out):
     else:
         router = procs.add(Peer(kind, how, engines, port))
         metered = [router]
+    outcomes = ("spilled", "memory_limited", "kept_on_holder", "redecided", "update_failures", "layout_errors")
+    sync_counts = ("resyncs", "blocks_stored", "blocks_removed", "frames_bad", "write_failures", "polls_failed")
+    counted = ([f"kvroute.{k}" for k in ("requests", "scored", *outcomes)] if parts and parts["filter"] else []) + \
+        ([f"kvroute_sync.{k}" for k in sync_counts] if parts and parts["sync"] else [])
+    # Envoy's counters from here on: the warm-up's requests are not the workload's.
+    before = {}
+    if args.warmup:
+        warm_up(f"127.0.0.1:{port}", args.warmup, engines, sidecar, args.seed)
+        before = {k: router.stat(k) for k in counted}
+
+    def stat(k):
+        return router.stat(k) - before.get(k, 0)
     burner = background_cpu(args.background_cpu)
     sampler = EngineInflight(engines) if args.keep_samples and args.sim == "mocker" and engines else None
     try:
@@ -525,19 +561,14 @@ def run_line(args, procs, fleet, port, line, wname, wargs, settings, out):
         # The engines' (the mockers') KV events Dynamo's router applied, by status.
         peer_events = events_applied(port)
     if parts and parts["filter"]:
-        wait_for(lambda: router.stat("kvroute.requests") >= r["requests"], what="the filters' counters")
-        scored = router.stat("kvroute.scored")
+        wait_for(lambda: stat("kvroute.requests") >= r["requests"], what="the filters' counters")
+        scored = stat("kvroute.scored")
         # What the limits did, and each engine's capacity as the sync service learned it.
-        r["kvroute_outcomes"] = {
-            **{k: router.stat(f"kvroute.{k}")
-               for k in ("spilled", "memory_limited", "kept_on_holder", "redecided", "update_failures",
-                         "layout_errors")},
-            "kv_capacity_blocks": router.worker_gauges("kvroute.kv_capacity_blocks")}
+        r["kvroute_outcomes"] = {**{k: stat(f"kvroute.{k}") for k in outcomes},
+                                 "kv_capacity_blocks": router.worker_gauges("kvroute.kv_capacity_blocks")}
     if parts and parts["sync"]:
         # What the sync service took from the sidecar's feed (a resync rebuilds the index).
-        r["kvroute_sync"] = {k: router.stat(f"kvroute_sync.{k}")
-                             for k in ("resyncs", "blocks_stored", "blocks_removed", "frames_bad", "write_failures",
-                                       "polls_failed")}
+        r["kvroute_sync"] = {k: stat(f"kvroute_sync.{k}") for k in sync_counts}
     r.update({"workload": wname, "policy": label, "router": kind, "sim": args.sim, "client": args.client,
               "wall_s": round(time.time() - t0, 1), "speedup": speedup,
               "router_cpu_ms_per_request": round(sum(v for k, v in per_request.items() if k not in NOT_ROUTER), 3),

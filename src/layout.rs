@@ -388,7 +388,7 @@ const MAX_DRAIN_MS: u32 = 2 * PREFILL_EPOCH_MS as u32;
 impl PrefillRate {
     /// An ended prefill of `blocks` that kept the slot busy `ms`.
     fn sample(&mut self, blocks: u32, ms: u32) {
-        let decayed = |sum: u32, x: u32| sum - sum / 8 + x.saturating_mul(16).min(u32::MAX / 2);
+        let decayed = |sum: u32, x: u32| (sum - sum / 8).saturating_add(x.saturating_mul(16));
         self.blocks = decayed(self.blocks, blocks);
         self.ms = decayed(self.ms, ms);
     }
@@ -1062,40 +1062,44 @@ mod tests {
         assert_eq!((l.0[1].prefill.epoch, l.pending_prefill(1, 12)), (12, 0));
         assert_eq!(l.pending_prefill(7, 12), 0);
     }
-}
 
-#[test]
-fn outstanding_prefill_drains_at_the_rate_ended_prefills_were_computed_at() {
-    let ch = |blocks| PrefillChange { slot: 0, epoch: 0, blocks };
-    let mut l = LoadVector::default();
-    // Before any prefill ended nothing is known of the rate: the charge stands whole.
-    l.apply_prefill(&[ch(100)], 1_000, false);
-    assert_eq!(l.draining_prefill(0, 5_000), 100);
-    // 100 blocks ended 500 ms after the charge found the slot idle: 0.2 blocks/ms. A
-    // charge while it ran does not restart the drain; the end does.
-    l.apply_prefill(&[ch(60)], 1_200, false);
-    l.apply_prefill(&[ch(-100)], 1_500, true);
-    assert_eq!(l.0[0].prefill_rate.blocks_in(500), 100);
-    assert_eq!(l.draining_prefill(0, 1_500), 60);
-    assert_eq!(l.draining_prefill(0, 1_600), 40);
-    assert_eq!(l.draining_prefill(0, 1_900), 0, "never below 0");
-    assert_eq!(l.pending_prefill(0, 0), 60, "the charge itself stands until its end");
-    // A stream that ended before its first token is no sample, and the drain goes on.
-    let rate = l.0[0].prefill_rate;
-    l.apply_prefill(&[ch(40), ch(-40)], 1_700, false);
-    assert_eq!((l.0[0].prefill_rate, l.draining_prefill(0, 1_700)), (rate, 20));
-    // Two prefills of one engine step end together: the first takes the step's time,
-    // the second none, and their sum gives the rate (60 + 40 blocks in 500 ms; the
-    // first sample already decayed by an eighth when the second comes).
-    let mut l = LoadVector::default();
-    l.apply_prefill(&[ch(60), ch(40)], 0, false);
-    l.apply_prefill(&[ch(-60)], 500, true);
-    assert_eq!(l.0[0].prefill_rate.blocks_in(500), 60);
-    l.apply_prefill(&[ch(-40)], 500, true);
-    assert_eq!(l.0[0].prefill_rate.blocks_in(500), 105);
-    assert_eq!(LoadVector::decode(&l.encode()), l);
-    // A drain that started long ago (a clock jump, a stale slot) stops at two epochs.
-    l.apply_prefill(&[ch(1_000_000)], 1_000, false);
-    assert_eq!(l.draining_prefill(0, 1_000 + 10 * PREFILL_EPOCH_MS), 0);
-    assert_eq!(l.0[0].draining_prefill(u64::from(u32::MAX) + 2_000), 0, "the ms clock wraps");
+    #[test]
+    fn outstanding_prefill_drains_at_the_rate_ended_prefills_were_computed_at() {
+        let ch = |blocks| PrefillChange { slot: 0, epoch: 0, blocks };
+        let mut l = LoadVector::default();
+        // Before any prefill ended nothing is known of the rate: the charge stands whole.
+        l.apply_prefill(&[ch(100)], 1_000, false);
+        assert_eq!(l.draining_prefill(0, 5_000), 100);
+        // 100 blocks ended 500 ms after the charge found the slot idle: 0.2 blocks/ms. A
+        // charge while it ran does not restart the drain; the end does.
+        l.apply_prefill(&[ch(60)], 1_200, false);
+        l.apply_prefill(&[ch(-100)], 1_500, true);
+        assert_eq!(l.0[0].prefill_rate.blocks_in(500), 100);
+        assert_eq!(l.draining_prefill(0, 1_500), 60);
+        assert_eq!(l.draining_prefill(0, 1_600), 40);
+        assert_eq!(l.draining_prefill(0, 1_900), 0, "never below 0");
+        assert_eq!(l.pending_prefill(0, 0), 60, "the charge itself stands until its end");
+        // A stream that ended before its first token is no sample, and the drain goes on.
+        let rate = l.0[0].prefill_rate;
+        l.apply_prefill(&[ch(40), ch(-40)], 1_700, false);
+        assert_eq!((l.0[0].prefill_rate, l.draining_prefill(0, 1_700)), (rate, 20));
+        // Two prefills of one engine step end together: the first takes the step's time,
+        // the second none, and their sum gives the rate (60 + 40 blocks in 500 ms; the
+        // first sample already decayed by an eighth when the second comes).
+        let mut l = LoadVector::default();
+        l.apply_prefill(&[ch(60), ch(40)], 0, false);
+        l.apply_prefill(&[ch(-60)], 500, true);
+        assert_eq!(l.0[0].prefill_rate.blocks_in(500), 60);
+        l.apply_prefill(&[ch(-40)], 500, true);
+        assert_eq!(l.0[0].prefill_rate.blocks_in(500), 105);
+        assert_eq!(LoadVector::decode(&l.encode()), l);
+        // A drain that started long ago (a clock jump, a stale slot) stops at two epochs.
+        l.apply_prefill(&[ch(1_000_000)], 1_000, false);
+        assert_eq!(l.draining_prefill(0, 1_000 + 10 * PREFILL_EPOCH_MS), 0);
+        assert_eq!(l.0[0].draining_prefill(u64::from(u32::MAX) + 2_000), 0, "the ms clock wraps");
+        // Sums saturate: a record of any bytes is applied without overflow.
+        let mut r = PrefillRate { blocks: u32::MAX, ms: u32::MAX };
+        r.sample(u32::MAX, MAX_DRAIN_MS);
+        assert_eq!((r.blocks, r.blocks_in(1_000)), (u32::MAX, 1_142));
+    }
 }

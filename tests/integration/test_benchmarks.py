@@ -133,8 +133,10 @@ def test_peers_run_against_the_same_fleet(tmp_path):
     assert events.get("ok", 0) > 0 and set(events) == {"ok"}, events
     # Each group's later requests can hit, on whichever engine Dynamo sent the first.
     assert runs["dynamo_kv"]["hit_rate"] > 0, runs["dynamo_kv"]
-    # One line again, merged: its run replaced, the other line's kept as it was.
-    again, merged = run_peers(tmp_path, "--lines", "kvroute_w1", "--speedup", "8", "--merge")
+    # One line again, merged: its run replaced, the other line's kept as it was. Warmed up
+    # first: the warm-up's requests are not the run's.
+    again, merged = run_peers(tmp_path, "--lines", "kvroute_w1", "--speedup", "8", "--merge", "--warmup", "1")
+    assert merged["kvroute_w1"]["scored"] == 8 and again["config"]["merged"][0]["warmup"] == 1
     assert [x["policy"] for x in again["runs"]] == ["kvroute_w1", "dynamo_kv"]
     assert merged["dynamo_kv"] == runs["dynamo_kv"] and again["config"]["merged"][0]["lines"] == "kvroute_w1"
 
