@@ -379,6 +379,8 @@ def main():
     args.speedup = args.speedup or (2.0 if args.sim == "fleet" else 0.1)
     if args.client != "fleet_load" and args.sim != "fleet":
         sys.exit("a real client reads hit rates from the fleet's engine counters: --sim fleet only")
+    if args.warmup and args.sim != "fleet":
+        sys.exit("--warmup empties the engines after it, which the mocker cannot: --sim fleet only")
     args.workloads = args.workloads or (WORKLOADS if args.client == "fleet_load" else CLIENT_WORKLOADS)
     default_out = "peers-results" + ("" if args.sim == "fleet" else "-mocker") + \
         ("" if args.client == "fleet_load" else f"-{args.client}")
@@ -478,21 +480,24 @@ def background_cpu(cores):
     return subprocess.Popen([sys.executable, "-c", loop])
 
 
+# Requests in each of --warmup's bursts.
+WARMUP_BURST = 12
+
+
 def warm_up(target, bursts, engines, sidecar, seed):
-    """`bursts` bursts of 12 streamed completions at once, each burst one new text of the
+    """`bursts` bursts of WARMUP_BURST streamed completions at once, each burst one new text of the
     tokenizer's words, through the router just started; then the engines are emptied, so
     the workload finds them as without it. What a router pays once after it starts (new
     connections, first tokenizations, code compiled on first use) is then left out."""
     vocab = json.loads((TOKENIZER_DIR / "tokenizer.json").read_text())["model"]["vocab"]
     words = sorted(w[1:] for w in vocab if re.fullmatch("\u0120[a-z]+", w))
     rng = random.Random(seed + 1_000_003)
-    host, port = target.rsplit(":", 1)
+    port = int(target.rsplit(":", 1)[1])
     for _ in range(bursts):
         doc = " ".join(rng.choice(words) for _ in range(1500))
-        cold_path.burst_ttfts(int(port), [f"{doc} {' '.join(rng.choice(words) for _ in range(20))}"
-                                          for _ in range(12)])
-    if sidecar:
-        reset_fleet(engines, sidecar)
+        cold_path.burst_ttfts(port, [f"{doc} {' '.join(rng.choice(words) for _ in range(20))}"
+                                          for _ in range(WARMUP_BURST)])
+    reset_fleet(engines, sidecar)
 
 
 def run_line(args, procs, fleet, port, line, wname, wargs, settings, out):
@@ -533,7 +538,16 @@ def run_line(args, procs, fleet, port, line, wname, wargs, settings, out):
     before = {}
     if args.warmup:
         warm_up(f"127.0.0.1:{port}", args.warmup, engines, sidecar, args.seed)
-        before = {k: router.stat(k) for k in counted}
+        if parts and parts["filter"]:
+            wait_for(lambda: router.stat("kvroute.requests") >= WARMUP_BURST * args.warmup,
+                     what="the warm-up in the filters' counters")
+        # Counters reach Envoy's stats in batches (every 100 ms): read once they hold still.
+        deadline = time.time() + 5
+        while True:
+            before = {k: router.stat(k) for k in counted}
+            time.sleep(0.3)
+            if time.time() > deadline or before == {k: router.stat(k) for k in counted}:
+                break
 
     def stat(k):
         return router.stat(k) - before.get(k, 0)
