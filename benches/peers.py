@@ -365,6 +365,9 @@ def main():
                     help="before each line's workload, this many bursts of 12 unrelated requests through its "
                          "router, then the engines emptied (the fleet only): what a router pays once after it "
                          "starts is left out")
+    ap.add_argument("--access-log", action="store_true",
+                    help="Envoy lines (kvroute, the reference lines) write an access log, one JSON line a "
+                         "request with where its time went before the engine, to <out>/<workload>.<line>.access.jsonl")
     ap.add_argument("--cache-key", action="store_true",
                     help="send OpenAI's prompt_cache_key with every request (the conversation in chat and the "
                          "agentic loop, the group in shared-prefix workloads), as agent clients do; every line "
@@ -519,7 +522,8 @@ def run_line(args, procs, fleet, port, line, wname, wargs, settings, out):
                                      sync_config={"poll_timeout_ms": 5000, "stale_after_ms": 15000},
                                      tokenizer_port=stage.grpc_port if stage else None,
                                      kvroute_filter=parts["filter"], kvroute_sync=parts["sync"],
-                                     build="native" if label.endswith("_native") else "wasm")
+                                     build="native" if label.endswith("_native") else "wasm",
+                                     access_log=args.access_log and out / f"{wname}.{label}.access.jsonl")
         router = procs.add(Envoy(cfg, lp, adm, concurrency=2))
         if parts["sync"]:
             wait_synced(router, sidecar)

@@ -72,9 +72,16 @@ BUILDS = {
 }
 
 
+# The access log's durations (µs, Envoy's COMMON_DURATION): from the request's first byte
+# to its upstream send (the stage and the filters), to the response's first bytes.
+ACCESS_LOG_TIMES = {"to_upstream_us": ("DS_RX_BEG", "US_TX_BEG"), "request_rx_us": ("DS_RX_BEG", "DS_RX_END"),
+                    "to_response_us": ("DS_RX_BEG", "DS_TX_BEG")}
+
+
 def render_config(workers, feed_port, filter_config=None, sync_config=None,
                   listener_port=None, admin_port=None, wasm=None, policy="kvroute", tokenizer_port=None,
-                  kvroute_filter=True, kvroute_sync=True, build="wasm", eds=False, stage_round_trips=2):
+                  kvroute_filter=True, kvroute_sync=True, build="wasm", eds=False, stage_round_trips=2,
+                  access_log=None):
     """envoy/envoy.yaml (build "wasm") or envoy/envoy-native.yaml (build "native") with this
     test's ports, upstreams and plugin configurations.
     wasm: the build's file to load instead of this checkout's (kvroute.wasm, or the
@@ -89,7 +96,9 @@ def render_config(workers, feed_port, filter_config=None, sync_config=None,
     of `workers`.
     stage_round_trips: 2, the shipped exchange with the stage (the headers answered at
     once, then the body BUFFERED whole), or 1 (the body STREAMED behind headers that wait
-    for it: send_body_without_waiting_for_header_response)."""
+    for it: send_body_without_waiting_for_header_response).
+    access_log: a file to write one JSON line per request to: its start, upstream host and
+    where its time went (ACCESS_LOG_TIMES)."""
     b = BUILDS[build]
     artifact = wasm or b.artifact
     cfg = yaml.safe_load(b.yaml_path.read_text())
@@ -139,6 +148,13 @@ def render_config(workers, feed_port, filter_config=None, sync_config=None,
                     ep["metadata"] = {"filter_metadata": {"envoy.lb": {"hash_key": f"worker-{i}"}}}
         elif c["name"] == "kvroute_sidecar":
             eps["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]["port_value"] = feed_port
+    if access_log:
+        fields = {k: f"%COMMON_DURATION({a}:{b}:us)%" for k, (a, b) in ACCESS_LOG_TIMES.items()}
+        hcm["access_log"] = [{"name": "envoy.access_loggers.file", "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog",
+            "path": str(access_log),
+            "log_format": {"json_format": {"start_s": "%START_TIME(%s.%6f)%", "upstream": "%UPSTREAM_HOST%",
+                                           **fields}}}}]
     return cfg, listener_port, admin_port
 
 

@@ -147,8 +147,15 @@ def test_peers_reference_lines_take_kvroute_apart(tmp_path):
     busy loop beside them."""
     lines = "envoy_round_robin,envoy_round_robin_stage,kvroute_sync_only,kvroute_filter_only,kvroute_w1_native"
     # Envoy alone is ~2 ms of CPU a request: 8 requests were once charged no tick at all.
-    out, runs = run_peers(tmp_path, "--lines", lines, "--speedup", "8", "--background-cpu", "0.05", per_group=16)
+    out, runs = run_peers(tmp_path, "--lines", lines, "--speedup", "8", "--background-cpu", "0.05", "--access-log",
+                          per_group=16)
     assert out["config"]["background_cpu"] == 0.05 and set(runs) == set(lines.split(","))
+    # Each Envoy line's access log: a line a request, its time to the engine within its time
+    # to the response's first bytes.
+    for line in lines.split(","):
+        log = [json.loads(x) for x in (tmp_path / f"shared_prefix_70.{line}.access.jsonl").read_text().splitlines()]
+        assert len(log) == runs[line]["requests"], (line, log[:2])
+        assert all(0 < int(x["to_upstream_us"]) <= int(x["to_response_us"]) for x in log), (line, log[:2])
     procs = {k: set(v["router_cpu_ms_per_request_by_process"]) for k, v in runs.items()}
     assert procs == {"envoy_round_robin": {"envoy"}, "envoy_round_robin_stage": {"envoy", "tokenizer"},
                      "kvroute_sync_only": {"envoy", "tokenizer", "sidecar"},
