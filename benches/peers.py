@@ -51,6 +51,7 @@ deployment that code runs inside the engine).
     python3 benches/peers.py [--sim fleet|mocker] [--workloads shared_prefix_70,...] [--lines ...] [--out docs/peers]
 """
 import argparse
+import functools
 import json
 import pathlib
 import random
@@ -487,13 +488,19 @@ def background_cpu(cores):
 WARMUP_BURST = 12
 
 
+@functools.cache
+def tokenizer_words():
+    """The tokenizer's one-token lower-case words (a space, then letters)."""
+    vocab = json.loads((TOKENIZER_DIR / "tokenizer.json").read_text())["model"]["vocab"]
+    return sorted(w[1:] for w in vocab if re.fullmatch("\u0120[a-z]+", w))
+
+
 def warm_up(target, bursts, engines, sidecar, seed):
     """`bursts` bursts of WARMUP_BURST streamed completions at once, each burst one new text of the
     tokenizer's words, through the router just started; then the engines are emptied, so
     the workload finds them as without it. What a router pays once after it starts (new
     connections, first tokenizations, code compiled on first use) is then left out."""
-    vocab = json.loads((TOKENIZER_DIR / "tokenizer.json").read_text())["model"]["vocab"]
-    words = sorted(w[1:] for w in vocab if re.fullmatch("\u0120[a-z]+", w))
+    words = tokenizer_words()
     rng = random.Random(seed + 1_000_003)
     port = int(target.rsplit(":", 1)[1])
     for _ in range(bursts):

@@ -462,13 +462,13 @@ impl Router {
         for s in self.scored.iter().take(self.cfg.max_endpoints) {
             d.destinations.push(table.slots[s.candidate.slot].id.clone());
         }
-        d.most_hits = self.scored.iter().map(|s| s.candidate.cache_hits).max().unwrap_or(0);
-        d.holder_terms = self
+        // The cheapest of the workers with the most hits (the first of equals), in one pass.
+        let holder = self
             .scored
             .iter()
-            .filter(|s| s.candidate.cache_hits == d.most_hits)
-            .min_by(|a, b| a.cost.total_cmp(&b.cost))
-            .map(|s| (s.cost, s.candidate.active_blocks, s.candidate.pending_prefill));
+            .min_by(|a, b| b.candidate.cache_hits.cmp(&a.candidate.cache_hits).then(a.cost.total_cmp(&b.cost)));
+        d.most_hits = holder.map_or(0, |s| s.candidate.cache_hits);
+        d.holder_terms = holder.map(|s| (s.cost, s.candidate.active_blocks, s.candidate.pending_prefill));
         let mut destination = None;
         if let Some(best) = self.scored.first() {
             d.hits = best.candidate.cache_hits;
@@ -705,6 +705,7 @@ impl Router {
     ) {
         let potential = self.cfg.active_blocks == ActiveBlocks::Potential;
         let (scan, request_blocks) = (r.scan, r.blocks);
+        let epoch = prefill_epoch(r.now_ms);
         self.candidates.clear();
         // No worker holds or carries any of the request's blocks: a prefix new to the set.
         let mut unseen = true;
@@ -726,7 +727,7 @@ impl Router {
             let own_outstanding = if self.cfg.prefill_drain {
                 r.load.draining_prefill(slot, r.now_ms)
             } else {
-                r.load.pending_prefill(slot, prefill_epoch(r.now_ms))
+                r.load.pending_prefill(slot, epoch)
             };
             let outstanding = own_outstanding.saturating_add(peer.prefill);
             let queued = outstanding.saturating_sub(scan.computing(slot));
