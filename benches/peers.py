@@ -368,7 +368,9 @@ def main():
                          "starts is left out")
     ap.add_argument("--access-log", action="store_true",
                     help="Envoy lines (kvroute, the reference lines) write an access log, one JSON line a "
-                         "request with where its time went before the engine, to <out>/<workload>.<line>.access.jsonl")
+                         "request with where its time went before the engine, to <out>/<workload>.<line>.access.jsonl, "
+                         "and keep the stage's log with a line a request (<out>/<workload>.<line>.stage.log); "
+                         "benches/access_paths.py reads both")
     ap.add_argument("--cache-key", action="store_true",
                     help="send OpenAI's prompt_cache_key with every request (the conversation in chat and the "
                          "agentic loop, the group in shared-prefix workloads), as agent clients do; every line "
@@ -521,8 +523,13 @@ def run_line(args, procs, fleet, port, line, wname, wargs, settings, out):
     if parts:
         # A new stage per line, as every peer is a new process: no line starts with
         # another's tokenizer cache.
-        stage = procs.add(Tokenizer(models=[(MODEL, TOKENIZER_DIR, [])], max_model_len=settings["blocks"] * 16)) \
+        access_log = args.access_log and out / f"{wname}.{label}.access.jsonl"
+        stage = procs.add(Tokenizer(models=[(MODEL, TOKENIZER_DIR, [])], max_model_len=settings["blocks"] * 16,
+                                    log_level="info,kvroute_tokenizer=debug" if access_log else "info")) \
             if parts["stage"] else None
+        if access_log:
+            # Envoy appends: a rerun into the same folder starts the line's log afresh.
+            access_log.unlink(missing_ok=True)
         cfg, lp, adm = render_config(engines, sidecar.port, {"block_size": 16, **(how if kind == "kvroute" else {})},
                                      listener_port=port,
                                      policy="kvroute" if parts["filter"] or parts["sync"] else "round_robin",
@@ -530,7 +537,7 @@ def run_line(args, procs, fleet, port, line, wname, wargs, settings, out):
                                      tokenizer_port=stage.grpc_port if stage else None,
                                      kvroute_filter=parts["filter"], kvroute_sync=parts["sync"],
                                      build="native" if label.endswith("_native") else "wasm",
-                                     access_log=args.access_log and out / f"{wname}.{label}.access.jsonl")
+                                     access_log=access_log)
         router = procs.add(Envoy(cfg, lp, adm, concurrency=2))
         if parts["sync"]:
             wait_synced(router, sidecar)
@@ -600,6 +607,9 @@ def run_line(args, procs, fleet, port, line, wname, wargs, settings, out):
               "router_cpu_ms_per_request_by_process": {k: round(v, 3) for k, v in per_request.items()},
               "router_peak_rss_mb": round(sum(p.peak_rss_mb() for p in metered), 1),
               "scored": scored, "peer_events_stored": peer_events})
+    if parts and parts["stage"] and args.access_log:
+        # The stage's log beside the access log: a line per request with its time in the stage.
+        (out / f"{wname}.{label}.stage.log").write_text(stage.logs())
     for p in metered:
         if p is not sidecar:
             procs.stop(p)

@@ -76,6 +76,10 @@ BUILDS = {
 # to its upstream send (the stage and the filters), to the response's first bytes.
 ACCESS_LOG_TIMES = {"to_upstream_us": ("DS_RX_BEG", "US_TX_BEG"), "request_rx_us": ("DS_RX_BEG", "DS_RX_END"),
                     "to_response_us": ("DS_RX_BEG", "DS_TX_BEG")}
+# With the stage: ext_proc's own timing of its two calls (µs from a message sent to its
+# answer read, as Envoy's ext_proc filter records them in its filter state).
+ACCESS_LOG_STAGE_TIMES = {"stage_headers_us": "request_header_latency_us",
+                          "stage_body_us": "request_body_total_latency_us"}
 
 
 def render_config(workers, feed_port, filter_config=None, sync_config=None,
@@ -98,7 +102,7 @@ def render_config(workers, feed_port, filter_config=None, sync_config=None,
     once, then the body BUFFERED whole), or 1 (the body STREAMED behind headers that wait
     for it: send_body_without_waiting_for_header_response).
     access_log: a file to write one JSON line per request to: its start, upstream host and
-    where its time went (ACCESS_LOG_TIMES)."""
+    where its time went (ACCESS_LOG_TIMES, and ACCESS_LOG_STAGE_TIMES with the stage)."""
     b = BUILDS[build]
     artifact = wasm or b.artifact
     cfg = yaml.safe_load(b.yaml_path.read_text())
@@ -150,6 +154,9 @@ def render_config(workers, feed_port, filter_config=None, sync_config=None,
             eps["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]["port_value"] = feed_port
     if access_log:
         fields = {k: f"%COMMON_DURATION({a}:{b}:us)%" for k, (a, b) in ACCESS_LOG_TIMES.items()}
+        if tokenizer_port is not None:
+            fields.update({k: f"%FILTER_STATE(envoy.filters.http.ext_proc:FIELD:{f})%"
+                           for k, f in ACCESS_LOG_STAGE_TIMES.items()})
         hcm["access_log"] = [{"name": "envoy.access_loggers.file", "typed_config": {
             "@type": "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog",
             "path": str(access_log),

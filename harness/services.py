@@ -71,9 +71,11 @@ class Sidecar(Service):
 
 class Tokenizer(Service):
     """The real kvroute-tokenizer binary (the stage), Qwen3's tokenizer by default.
-    models: [(name, dir, loras)]; extra: more TOML settings."""
+    models: [(name, dir, loras)]; extra: more TOML settings; log_level: its RUST_LOG
+    ("info,kvroute_tokenizer=debug": a line per request with where its time went)."""
 
-    def __init__(self, models=None, max_model_len=40960, extra=None, wait=True, chat_template=None):
+    def __init__(self, models=None, max_model_len=40960, extra=None, wait=True, chat_template=None,
+                 log_level="info"):
         if not TOKENIZER.exists():
             raise RuntimeError(f"{TOKENIZER} missing: build it with `cargo build --release -p kvroute-tokenizer`")
         if not (TOKENIZER_DIR / "tokenizer.json").exists():
@@ -90,7 +92,7 @@ class Tokenizer(Service):
                 lines.append(f"chat_template = {json.dumps(chat_template)}")
         self.config_path = os.path.join(self.dir, "tokenizer.toml")
         pathlib.Path(self.config_path).write_text("\n".join(lines) + "\n")
-        self._spawn([str(TOKENIZER), "--config", self.config_path], env={**os.environ, "RUST_LOG": "info"})
+        self._spawn([str(TOKENIZER), "--config", self.config_path], env={**os.environ, "RUST_LOG": log_level})
         if wait:
             ready_or_stop(self, lambda: wait_http_ok(self.proc, f"http://127.0.0.1:{self.http_port}/healthz",
                                                      "tokenizer", self.logs, 30))

@@ -156,6 +156,25 @@ def test_peers_reference_lines_take_kvroute_apart(tmp_path):
         log = [json.loads(x) for x in (tmp_path / f"shared_prefix_70.{line}.access.jsonl").read_text().splitlines()]
         assert len(log) == runs[line]["requests"], (line, log[:2])
         assert all(0 < int(x["to_upstream_us"]) <= int(x["to_response_us"]) for x in log), (line, log[:2])
+        # Through the stage, ext_proc's timing of its two calls, which fall within it.
+        if line != "envoy_round_robin":
+            assert all(0 < int(x["stage_headers_us"]) and 0 < int(x["stage_body_us"])
+                       and int(x["stage_headers_us"]) + int(x["stage_body_us"]) <= int(x["to_upstream_us"])
+                       for x in log), (line, log[:2])
+        else:
+            assert not any("stage_body_us" in x for x in log), log[:2]
+    # benches/access_paths.py reads them: every request falls in some group of arrivals.
+    paths = subprocess.run([sys.executable, str(ROOT / "benches" / "access_paths.py"), "--json",
+                            str(tmp_path / "shared_prefix_70.envoy_round_robin_stage.access.jsonl")],
+                           capture_output=True, text=True, check=True)
+    [report] = json.loads(paths.stdout)
+    assert report["requests"] == runs["envoy_round_robin_stage"]["requests"], report
+    assert set(report["first"]) == {"to upstream", "body read", "stage headers", "stage body", "Envoy, rest"}, report
+    # ... and the stage's own line for each group's first tokenization, which took no
+    # longer than ext_proc's call around it.
+    tokens, *_ = report["first in the stage"]["tokens"]
+    in_stage, *_ = report["first in the stage"]["in the stage"]
+    assert tokens > 0 and 0 < in_stage <= report["every"]["stage body"][2], report
     procs = {k: set(v["router_cpu_ms_per_request_by_process"]) for k, v in runs.items()}
     assert procs == {"envoy_round_robin": {"envoy"}, "envoy_round_robin_stage": {"envoy", "tokenizer"},
                      "kvroute_sync_only": {"envoy", "tokenizer", "sidecar"},

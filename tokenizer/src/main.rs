@@ -18,7 +18,10 @@ use tokio::sync::Semaphore;
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() {
-    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info")).init();
+    // Microseconds: a request's debug line can then be placed among a burst's.
+    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info"))
+        .format_timestamp_micros()
+        .init();
     let cli = Cli::parse();
     let config = match Config::load(&cli) {
         Ok(c) => c,

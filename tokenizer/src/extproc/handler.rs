@@ -279,15 +279,27 @@ async fn read_prompt(p: &StageProcessor, endpoint: Endpoint, body: Bytes) -> Vec
     let Ok(permit) = p.limiter.clone().acquire_owned().await else {
         return Vec::new();
     };
-    let stage = p.stage.clone();
+    let (stage, permitted) = (p.stage.clone(), started.elapsed());
     let result = tokio::task::spawn_blocking(move || {
         let _permit = permit;
-        stage.prompt(endpoint, &body)
+        let began = started.elapsed();
+        (stage.prompt(endpoint, &body), began, started.elapsed())
     })
     .await;
     let prompt = match result {
-        Ok(Ok(prompt)) => prompt,
-        Ok(Err(skip)) => {
+        Ok((Ok(prompt), began, ended)) => {
+            // Where a request's time in the stage went (benches/access_paths.py reads it).
+            log::debug!(
+                "tokenized {} tokens: {} µs for a permit, {} µs for a thread, {} µs tokenizing, {} µs in all",
+                prompt.tokens.len(),
+                permitted.as_micros(),
+                began.saturating_sub(permitted).as_micros(),
+                ended.saturating_sub(began).as_micros(),
+                started.elapsed().as_micros()
+            );
+            prompt
+        }
+        Ok((Err(skip), ..)) => {
             log::debug!("request routed by load: {skip}");
             p.stats.count(Outcome::Skipped(skip.label()));
             return Vec::new();
