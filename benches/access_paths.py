@@ -6,6 +6,7 @@ through the stage, ACCESS_LOG_STAGE_TIMES).
     python3 benches/peers.py --seed 1 --workloads burst_70 --warmup 2 --access-log --out DIR \\
         --lines kvroute_w1,envoy_round_robin_stage,envoy_round_robin
     python3 benches/access_paths.py DIR/burst_70.*.access.jsonl --skip 2
+    python3 benches/access_paths.py DIR/burst_70.*.access.jsonl --per-burst 4   # after a start
 
 Requests are grouped into bursts by their arrival: a gap of more than `--gap-s` starts a
 new one. For each log, over the bursts after the first `--skip` (the warm-up's), the
@@ -98,6 +99,23 @@ def first_in_stage(groups, lines):
     return out
 
 
+def per_burst(path, count, gap_s):
+    """The first `count` bursts one by one: each one's first request's times, and the
+    stage's first finished tokenization in it (ms)."""
+    entries = [json.loads(x) for x in pathlib.Path(path).read_text().splitlines() if x.strip()]
+    groups = bursts(entries, gap_s)[:count]
+    stage_log = pathlib.Path(str(path).removesuffix(".access.jsonl") + ".stage.log")
+    in_stage = first_in_stage(groups, stage_lines(stage_log)) if stage_log.exists() else [None] * len(groups)
+    out = []
+    for g, st in zip(groups, in_stage):
+        first = times(min(g, key=lambda e: number(e["to_upstream_us"]) or 1 << 62))
+        row = {k: v / 1000 for k, v in first.items() if v is not None}
+        row["last to upstream"] = max(number(e["to_upstream_us"]) or 0 for e in g) / 1000
+        row.update({f"stage {k}": v for k, v in (st or {}).items() if k != "tokens"})
+        out.append(row)
+    return out
+
+
 def report(path, skip, gap_s):
     entries = [json.loads(x) for x in pathlib.Path(path).read_text().splitlines() if x.strip()]
     groups = bursts(entries, gap_s)[skip:]
@@ -121,7 +139,15 @@ def main():
     ap.add_argument("--skip", type=int, default=0, help="bursts to leave out at the start (the warm-up's)")
     ap.add_argument("--gap-s", type=float, default=0.05, help="a gap between arrivals that starts a new burst")
     ap.add_argument("--json", action="store_true", help="print the figures as JSON")
+    ap.add_argument("--per-burst", type=int, metavar="N",
+                    help="instead: the first N bursts one by one (what a router pays after its start)")
     args = ap.parse_args()
+    if args.per_burst:
+        for path in args.logs:
+            print(f"\n{path}:")
+            for i, row in enumerate(per_burst(path, args.per_burst, args.gap_s)):
+                print(f"  burst {i}: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items()))
+        return
     reports = [report(p, args.skip, args.gap_s) for p in args.logs]
     if args.json:
         print(json.dumps(reports, indent=1))
