@@ -99,17 +99,27 @@ def first_in_stage(groups, lines):
     return out
 
 
+def read_bursts(path, gap_s):
+    """An access log's requests, grouped into bursts; and its stage's lines ([] if the
+    stage's log is not beside it)."""
+    entries = [json.loads(x) for x in pathlib.Path(path).read_text().splitlines() if x.strip()]
+    stage_log = pathlib.Path(str(path).removesuffix(".access.jsonl") + ".stage.log")
+    return bursts(entries, gap_s), stage_lines(stage_log) if stage_log.exists() else []
+
+
+def first_to_upstream(group):
+    """The times of the request of `group` that reached its upstream first."""
+    return times(min(group, key=lambda e: number(e["to_upstream_us"]) or 1 << 62))
+
+
 def per_burst(path, count, gap_s):
     """The first `count` bursts one by one: each one's first request's times, and the
     stage's first finished tokenization in it (ms)."""
-    entries = [json.loads(x) for x in pathlib.Path(path).read_text().splitlines() if x.strip()]
-    groups = bursts(entries, gap_s)[:count]
-    stage_log = pathlib.Path(str(path).removesuffix(".access.jsonl") + ".stage.log")
-    in_stage = first_in_stage(groups, stage_lines(stage_log)) if stage_log.exists() else [None] * len(groups)
+    groups, lines = read_bursts(path, gap_s)
+    groups = groups[:count]
     out = []
-    for g, st in zip(groups, in_stage):
-        first = times(min(g, key=lambda e: number(e["to_upstream_us"]) or 1 << 62))
-        row = {k: v / 1000 for k, v in first.items() if v is not None}
+    for g, st in zip(groups, first_in_stage(groups, lines)):
+        row = {k: v / 1000 for k, v in first_to_upstream(g).items() if v is not None}
         row["last to upstream"] = max(number(e["to_upstream_us"]) or 0 for e in g) / 1000
         row.update({f"stage {k}": v for k, v in (st or {}).items() if k != "tokens"})
         out.append(row)
@@ -117,17 +127,15 @@ def per_burst(path, count, gap_s):
 
 
 def report(path, skip, gap_s):
-    entries = [json.loads(x) for x in pathlib.Path(path).read_text().splitlines() if x.strip()]
-    groups = bursts(entries, gap_s)[skip:]
+    groups, lines = read_bursts(path, gap_s)
+    groups = groups[skip:]
     if not groups:
         return {"log": str(path), "bursts": 0}
-    firsts = [times(min(g, key=lambda e: number(e["to_upstream_us"]) or 1 << 62)) for g in groups]
     every = [times(e) for g in groups for e in g]
     r = {"log": str(path), "bursts": len(groups), "requests": len(every),
-         "first": summary(firsts), "every": summary(every)}
-    stage_log = pathlib.Path(str(path).removesuffix(".access.jsonl") + ".stage.log")
-    if stage_log.exists():
-        found = [f for f in first_in_stage(groups, stage_lines(stage_log)) if f]
+         "first": summary([first_to_upstream(g) for g in groups]), "every": summary(every)}
+    if lines:
+        found = [f for f in first_in_stage(groups, lines) if f]
         r["first in the stage"] = {k: (statistics.median(f[k] for f in found), min(f[k] for f in found),
                                        max(f[k] for f in found)) for k in STAGE_FIELDS} if found else {}
     return r
