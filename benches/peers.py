@@ -353,7 +353,8 @@ def main():
     ap.add_argument("--lines", help="comma-separated line names (default: all)")
     ap.add_argument("--kvroute", action="append", default=[], metavar="LABEL=JSON",
                     help='another kvroute line: its label and filter settings, e.g. '
-                         '\'kvroute_w2={"overlap_weight": 2}\' (repeatable; runs unless --lines leaves it out; '
+                         '\'kvroute_w2={"overlap_weight": 2}\', the sync service\'s under "sync", e.g. '
+                         '\'eager={"sync": {"feed_linger_ms": 0}}\' (repeatable; runs unless --lines leaves it out; '
                          'named like a built-in kvroute line, it replaces that line\'s settings)')
     ap.add_argument("--keep-samples", action="store_true",
                     help="keep every run's per-request samples in <out>/samples/<workload>.<line>.json "
@@ -530,10 +531,13 @@ def run_line(args, procs, fleet, port, line, wname, wargs, settings, out):
         if access_log:
             # Envoy appends: a rerun into the same folder starts the line's log afresh.
             access_log.unlink(missing_ok=True)
-        cfg, lp, adm = render_config(engines, sidecar.port, {"block_size": 16, **(how if kind == "kvroute" else {})},
+        # A kvroute line's settings are its filter's, but for "sync": its sync service's.
+        filter_how = {k: v for k, v in how.items() if k != "sync"} if kind == "kvroute" else {}
+        sync_how = how.get("sync", {}) if kind == "kvroute" else {}
+        cfg, lp, adm = render_config(engines, sidecar.port, {"block_size": 16, **filter_how},
                                      listener_port=port,
                                      policy="kvroute" if parts["filter"] or parts["sync"] else "round_robin",
-                                     sync_config={"poll_timeout_ms": 5000, "stale_after_ms": 15000},
+                                     sync_config={"poll_timeout_ms": 5000, "stale_after_ms": 15000, **sync_how},
                                      tokenizer_port=stage.grpc_port if stage else None,
                                      kvroute_filter=parts["filter"], kvroute_sync=parts["sync"],
                                      build="native" if label.endswith("_native") else "wasm",
@@ -549,7 +553,8 @@ def run_line(args, procs, fleet, port, line, wname, wargs, settings, out):
         router = procs.add(Peer(kind, how, engines, port))
         metered = [router]
     outcomes = ("spilled", "memory_limited", "kept_on_holder", "redecided", "update_failures", "layout_errors")
-    sync_counts = ("resyncs", "blocks_stored", "blocks_removed", "frames_bad", "write_failures", "polls_failed")
+    sync_counts = ("polls_ok", "bucket_writes", "resyncs", "blocks_stored", "blocks_removed", "frames_bad",
+                   "write_failures", "polls_failed")
     counted = ([f"kvroute.{k}" for k in ("requests", "scored", *outcomes)] if parts and parts["filter"] else []) + \
         ([f"kvroute_sync.{k}" for k in sync_counts] if parts and parts["sync"] else [])
     # Envoy's counters from here on: the warm-up's requests are not the workload's.

@@ -18,10 +18,12 @@ one request round trip (~1 ms here): the numbers are upper bounds.
 
 Background: each publisher sends batches of one BlockStored of 64 new blocks plus a
 BlockRemoved of an older chain (an engine at capacity, storing and evicting), paced to
---rate stored blocks per second in all.
+--rate stored blocks per second in all. Beside the latencies: the sync service's polls per
+second and Envoy's CPU, which `--feed-linger-ms 0,2,5` compares (the sidecar holds each
+answer that long once it has a change, gathering more into it).
 
     python3 benches/sidecar_freshness.py [--rate 100000] [--probes 300] [--transport zmq,nats,nats-memory]
-                                         [--json out.json]
+                                         [--feed-linger-ms 0,2,5] [--json out.json]
 """
 import argparse
 import base64
@@ -90,11 +92,19 @@ def main():
     ap.add_argument("--probes", type=int, default=300)
     ap.add_argument("--transport", default="zmq,nats", help="comma-separated, run in this order")
     ap.add_argument("--json", help="write results here")
+    ap.add_argument("--feed-linger-ms", default=None,
+                    help="the sync service's feed_linger_ms (default: its own default); comma-separated, "
+                         "each transport once per value, the results keyed TRANSPORT@lingerN")
     args = ap.parse_args()
     transports = args.transport.split(",")
     if any(t not in ("zmq", "nats", "nats-memory") for t in transports):
         sys.exit("--transport: each of zmq, nats, nats-memory")
-    results = {t: run(t, args) for t in transports}
+    lingers = [None] if args.feed_linger_ms is None else [int(v) for v in args.feed_linger_ms.split(",")]
+    results = {}
+    for t in transports:
+        for linger in lingers:
+            key = t if len(lingers) == 1 else f"{t}@linger{linger}"
+            results[key] = run(t, args, linger)
     for t in ("nats", "nats-memory"):
         if "zmq" in results and t in results:
             name = t.replace("-", "_")
@@ -106,8 +116,8 @@ def main():
         pathlib.Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
 
 
-def run(transport, args):
-    print(f"== {transport}", flush=True)
+def run(transport, args, linger):
+    print(f"== {transport}" + ("" if linger is None else f", feed_linger_ms {linger}"), flush=True)
     rng = random.Random(11)
     upstream = Upstream(N_WORKERS)
     workers = [Port(p) for p in upstream.ports]
@@ -132,7 +142,8 @@ def run(transport, args):
     path.insert(0, sidecar)
     cfg, lp, ap_ = render_config(workers, sidecar.port,
                                  {"debug_header": "x-kvroute-debug", "predict_on_route": False},
-                                 {"poll_timeout_ms": 5000, "stale_after_ms": 15000})
+                                 {"poll_timeout_ms": 5000, "stale_after_ms": 15000,
+                                  **({} if linger is None else {"feed_linger_ms": linger})})
     envoy = Envoy(cfg, lp, ap_, concurrency=1)
     time.sleep(0.5)
     print("encoding background batches ...", flush=True)
@@ -143,6 +154,7 @@ def run(transport, args):
     try:
         m0 = sidecar.metric("kvroute_sidecar_blocks_stored_total")
         cpu0 = [p.cpu_seconds() for p in path]
+        envoy_cpu0, polls0 = envoy.cpu_seconds(), envoy.stat("kvroute_sync.polls_ok")
         t_bg = time.perf_counter()
         bg.start()
         time.sleep(2)  # let the background reach its rate
@@ -168,6 +180,9 @@ def run(transport, args):
         elapsed = time.perf_counter() - t_bg
         applied = sidecar.metric("kvroute_sidecar_blocks_stored_total") - m0
         cpu = [p.cpu_seconds() - c for p, c in zip(path, cpu0)]
+        # The gateway's side of the path: its polls, and Envoy's CPU (its main thread's
+        # sync service, and the probes' requests on its worker).
+        envoy_cpu, polls = envoy.cpu_seconds() - envoy_cpu0, envoy.stat("kvroute_sync.polls_ok") - polls0
         stream = nats.stream_info() if nats else None
         # A resync (the relay re-publishing after a batch the stream did not take) would
         # be part of what was measured: say so.
@@ -184,6 +199,7 @@ def run(transport, args):
     q = statistics.quantiles(latencies, n=100, method="inclusive")
     result = {
         "transport": transport,
+        "feed_linger_ms": linger,
         "background_rate_target": args.rate,
         "background_rate_applied": round(applied / elapsed),
         "probes": len(latencies),
@@ -194,6 +210,8 @@ def run(transport, args):
         # Stored blocks applied per CPU-second of the whole event path (each process's).
         "cpu_s": {type(p).__name__.lower(): round(c, 2) for p, c in zip(path, cpu)},
         "blocks_per_cpu_s": round(applied / sum(cpu)),
+        "feed_polls_per_s": round(polls / elapsed),
+        "envoy_cpu_share": round(envoy_cpu / elapsed, 3),
     }
     if stream:
         result["stream_bytes_per_stored_block"] = round(stream["bytes"] / max(1, sent[0]), 1)

@@ -471,6 +471,7 @@ struct RawSyncConfig {
     feed_authority: String,
     feed_path: String,
     poll_timeout_ms: u64,
+    feed_linger_ms: u64,
     retry_interval_ms: u64,
     stale_after_ms: u64,
     n_buckets: u32,
@@ -487,6 +488,7 @@ impl Default for RawSyncConfig {
             feed_authority: "kvroute-sidecar".into(),
             feed_path: "/v1/kv/feed".into(),
             poll_timeout_ms: 5_000,
+            feed_linger_ms: DEFAULT_FEED_LINGER_MS,
             retry_interval_ms: 1_000,
             stale_after_ms: 15_000,
             n_buckets: DEFAULT_BUCKETS,
@@ -497,6 +499,11 @@ impl Default for RawSyncConfig {
         }
     }
 }
+
+/// How long the sidecar holds a feed answer once it has a change to send, so that changes
+/// close together reach the gateway in one answer: each answer costs Envoy's main thread a
+/// whole callout, ~0.25 ms of CPU (docs/benchmarks.md, "The feed's linger").
+pub const DEFAULT_FEED_LINGER_MS: u64 = 2;
 
 /// How often the sync service reports its gateway's load and reads the other gateways'.
 pub const DEFAULT_LOAD_REPORT_INTERVAL_MS: u64 = 100;
@@ -510,6 +517,9 @@ pub struct SyncConfig {
     pub feed_path: String,
     /// How long the sidecar may hold a poll open when nothing changed.
     pub poll_timeout_ms: u64,
+    /// How long the sidecar holds an answer once it has a change to send, gathering more:
+    /// fewer polls per second, paid in freshness (0: answer at once).
+    pub feed_linger_ms: u64,
     /// Wait after a failed poll.
     pub retry_interval_ms: u64,
     /// With no successful poll for this long the index is marked not live and requests are
@@ -542,6 +552,9 @@ impl SyncConfig {
         if !(100..=60_000).contains(&raw.poll_timeout_ms) {
             return Err(bad("poll_timeout_ms", "must be in 100..=60000"));
         }
+        if raw.feed_linger_ms > 1_000 {
+            return Err(bad("feed_linger_ms", "must be in 0..=1000"));
+        }
         if !(10..=60_000).contains(&raw.retry_interval_ms) {
             return Err(bad("retry_interval_ms", "must be in 10..=60000"));
         }
@@ -571,6 +584,7 @@ impl SyncConfig {
             feed_authority: raw.feed_authority,
             feed_path: raw.feed_path,
             poll_timeout_ms: raw.poll_timeout_ms,
+            feed_linger_ms: raw.feed_linger_ms,
             retry_interval_ms: raw.retry_interval_ms,
             stale_after_ms: raw.stale_after_ms,
             n_buckets: raw.n_buckets,
@@ -633,6 +647,9 @@ mod tests {
         let s = SyncConfig::from_json(b" ").unwrap();
         assert_eq!(s.n_buckets, crate::layout::DEFAULT_BUCKETS);
         assert_eq!((s.load_report_interval_ms, s.load_path.as_str(), s.gateway_id), (100, "/v1/load", None));
+        assert_eq!(s.feed_linger_ms, DEFAULT_FEED_LINGER_MS);
+        let eager = SyncConfig::from_json(br#"{"feed_linger_ms": 0}"#).unwrap();
+        assert_eq!(eager.feed_linger_ms, 0);
         let off = SyncConfig::from_json(br#"{"load_report_interval_ms": 0, "gateway_id": "gw-a"}"#).unwrap();
         assert_eq!((off.load_report_interval_ms, off.gateway_id.as_deref()), (0, Some("gw-a")));
     }
@@ -700,6 +717,7 @@ mod tests {
             (r#"{"feed_cluster": ""}"#, "feed_cluster"),
             (r#"{"feed_path": "v1/kv/feed"}"#, "feed_path"),
             (r#"{"stale_after_ms": 100}"#, "stale_after_ms"),
+            (r#"{"feed_linger_ms": 1001}"#, "feed_linger_ms"),
             (r#"{"feed": 1}"#, "unknown field"),
             (r#"{"load_report_interval_ms": 50}"#, "load_report_interval_ms"),
             (r#"{"load_report_interval_ms": 10001}"#, "load_report_interval_ms"),

@@ -263,9 +263,14 @@ impl Frame {
 }
 
 /// The path and query of a feed poll (see the protocol document); `tiers=1` asks for
-/// `STORE_OFFLOADED` ops.
-pub fn poll_path(base: &str, epoch: u64, since: u64, cursor: u64, timeout_ms: u64) -> String {
-    format!("{base}?epoch={epoch}&since={since}&cursor={cursor}&timeout_ms={timeout_ms}&tiers=1")
+/// `STORE_OFFLOADED` ops; `linger_ms` (sent when not 0), how long the sidecar holds an
+/// answer once it has a change to send.
+pub fn poll_path(base: &str, epoch: u64, since: u64, cursor: u64, timeout_ms: u64, linger_ms: u64) -> String {
+    let mut path = format!("{base}?epoch={epoch}&since={since}&cursor={cursor}&timeout_ms={timeout_ms}&tiers=1");
+    if linger_ms > 0 {
+        path.push_str(&format!("&linger_ms={linger_ms}"));
+    }
+    path
 }
 
 #[cfg(test)]

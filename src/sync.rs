@@ -360,7 +360,8 @@ impl<H: Host + FeedClient> SyncService<H> {
 
     fn poll(&mut self) {
         let pos = self.index.poll_position();
-        let path = poll_path(&self.cfg.feed_path, pos.epoch, pos.since, pos.cursor, self.cfg.poll_timeout_ms);
+        let (timeout, linger) = (self.cfg.poll_timeout_ms, self.cfg.feed_linger_ms);
+        let path = poll_path(&self.cfg.feed_path, pos.epoch, pos.since, pos.cursor, timeout, linger);
         let request = SidecarCall {
             cluster: &self.cfg.feed_cluster,
             authority: &self.cfg.feed_authority,

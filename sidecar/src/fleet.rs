@@ -526,6 +526,13 @@ impl Fleet {
         self.workers.iter().map(|w| FeedWorker { id: w.config.id.clone(), role: w.config.role, up: w.up }).collect()
     }
 
+    /// Whether a poll at this position would be answered with changes after `since` (rule 3
+    /// of `docs/feed-protocol.md`, "Response"): what `linger_ms` may hold back.
+    /// Snapshots and their pages are never held.
+    pub fn delta_ready(&self, epoch: u64, since: u64, cursor: u64) -> bool {
+        epoch == self.epoch && epoch != 0 && cursor == 0 && since < self.version
+    }
+
     /// Answers a poll (`docs/feed-protocol.md`, "Response"). `tiers`: the client takes
     /// `STORE_OFFLOADED` ops.
     pub fn feed(&mut self, epoch: u64, since: u64, cursor: u64, tiers: bool, may_wait: bool) -> FeedReply {

@@ -14,6 +14,8 @@ pub const FEED_PATH: &str = "/v1/kv/feed";
 const FEED_CONTENT_TYPE: &str = "application/x-kvroute-feed";
 /// Longest a feed poll is held, whatever the client asks.
 const MAX_HOLD: Duration = Duration::from_secs(60);
+/// Longest `linger_ms` honoured, whatever the client asks.
+const MAX_LINGER: Duration = Duration::from_secs(1);
 
 pub struct App {
     pub fleet: Arc<Mutex<Fleet>>,
@@ -160,11 +162,13 @@ struct Poll {
     timeout: Duration,
     /// `tiers=1`: the client takes `STORE_OFFLOADED` ops.
     tiers: bool,
+    /// How long a delta waits for more changes once there is one to send (`linger_ms`).
+    linger: Duration,
 }
 
 fn parse_poll(query: &str) -> Result<Poll, String> {
-    let mut vals = [None; 5];
-    const NAMES: [&str; 5] = ["epoch", "since", "cursor", "timeout_ms", "tiers"];
+    let mut vals = [None; 6];
+    const NAMES: [&str; 6] = ["epoch", "since", "cursor", "timeout_ms", "tiers", "linger_ms"];
     for pair in query.split('&').filter(|p| !p.is_empty()) {
         let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
         if let Some(i) = NAMES.iter().position(|n| *n == k) {
@@ -172,12 +176,14 @@ fn parse_poll(query: &str) -> Result<Poll, String> {
         }
     }
     let get = |i: usize| vals[i].ok_or_else(|| format!("missing `{}`", NAMES[i]));
+    let timeout = Duration::from_millis(get(3)?).min(MAX_HOLD);
     Ok(Poll {
         epoch: get(0)?,
         since: get(1)?,
         cursor: get(2)?,
-        timeout: Duration::from_millis(get(3)?),
+        timeout,
         tiers: vals[4].unwrap_or(0) == 1,
+        linger: Duration::from_millis(vals[5].unwrap_or(0)).min(MAX_LINGER),
     })
 }
 
@@ -189,21 +195,37 @@ async fn feed(app: &App, query: &str) -> Resp {
             return error(StatusCode::BAD_REQUEST, &e);
         }
     };
-    let mut changed = {
+    let waiting = {
         let mut fleet = app.fleet();
         // Subscribed before asking, so a change right after the answer still wakes us.
         let rx = fleet.subscribe();
-        match fleet.feed(poll.epoch, poll.since, poll.cursor, poll.tiers, true) {
-            FeedReply::Frame(b) => return respond(StatusCode::OK, FEED_CONTENT_TYPE, b),
-            FeedReply::Wait => {
-                fleet.stats.feed_waiting += 1;
-                rx
+        if !poll.linger.is_zero() && fleet.delta_ready(poll.epoch, poll.since, poll.cursor) {
+            None // lingers below, as a change that wakes a waiting poll does
+        } else {
+            match fleet.feed(poll.epoch, poll.since, poll.cursor, poll.tiers, true) {
+                FeedReply::Frame(b) => return respond(StatusCode::OK, FEED_CONTENT_TYPE, b),
+                FeedReply::Wait => {
+                    fleet.stats.feed_waiting += 1;
+                    Some(rx)
+                }
             }
         }
     };
-    let _ = tokio::time::timeout(poll.timeout.min(MAX_HOLD), changed.changed()).await;
+    let woken = match waiting {
+        Some(mut changed) => {
+            let woken = tokio::time::timeout(poll.timeout, changed.changed()).await.is_ok_and(|r| r.is_ok());
+            let mut fleet = app.fleet();
+            fleet.stats.feed_waiting = fleet.stats.feed_waiting.saturating_sub(1);
+            woken
+        }
+        None => true,
+    };
+    if woken && !poll.linger.is_zero() {
+        // Changes close together leave in one delta: each answer costs the gateway's main
+        // thread a whole callout (~0.25 ms of Envoy CPU, docs/benchmarks.md).
+        tokio::time::sleep(poll.linger).await;
+    }
     let mut fleet = app.fleet();
-    fleet.stats.feed_waiting = fleet.stats.feed_waiting.saturating_sub(1);
     match fleet.feed(poll.epoch, poll.since, poll.cursor, poll.tiers, false) {
         FeedReply::Frame(b) => respond(StatusCode::OK, FEED_CONTENT_TYPE, b),
         FeedReply::Wait => error(StatusCode::INTERNAL_SERVER_ERROR, "feed did not answer"),
@@ -242,6 +264,12 @@ mod tests {
         assert!(parse_poll("epoch=1&since=2&cursor=0").unwrap_err().contains("timeout_ms"));
         assert!(parse_poll("epoch=x&since=2&cursor=0&timeout_ms=1").unwrap_err().contains("epoch"));
         assert!(parse_poll("epoch=-1&since=2&cursor=0&timeout_ms=1").is_err());
+        // The linger: none by default, at most 1 s.
+        assert_eq!(p.linger, Duration::ZERO);
+        let linger = |q: &str| parse_poll(q).unwrap().linger;
+        assert_eq!(linger("epoch=1&since=2&cursor=0&timeout_ms=500&linger_ms=5"), Duration::from_millis(5));
+        assert_eq!(linger("epoch=1&since=2&cursor=0&timeout_ms=500&linger_ms=5000"), Duration::from_secs(1));
+        assert!(parse_poll("epoch=1&since=2&cursor=0&timeout_ms=5&linger_ms=x").is_err());
     }
 
     #[test]

@@ -2,6 +2,7 @@
 //! what each kind of answer does to the index, shared data and the stats.
 
 use super::*;
+use crate::config::DEFAULT_FEED_LINGER_MS;
 use crate::feed::{FeedBlock, FeedWorker, Op};
 use crate::host::testing::TestHost;
 use crate::layout::SlotState;
@@ -62,7 +63,7 @@ fn configuring_creates_every_key_and_the_first_tick_polls_for_a_snapshot() {
     let p = s.host().polls.borrow()[0].clone();
     assert_eq!(p.0, "kvroute_sidecar");
     assert_eq!(p.1, "kvroute-sidecar");
-    assert_eq!(p.2, poll_path("/v1/kv/feed", 0, 0, 0, 5_000));
+    assert_eq!(p.2, poll_path("/v1/kv/feed", 0, 0, 0, 5_000, DEFAULT_FEED_LINGER_MS));
     assert_eq!(p.3, Duration::from_millis(10_000));
     // One poll at a time.
     s.on_tick();
@@ -76,7 +77,7 @@ fn a_good_answer_is_published_and_the_next_poll_goes_at_once() {
     assert!(t.index_live);
     assert_eq!((t.epoch, t.version, t.slots.len()), (5, 3, 2));
     assert_eq!(polls(&s), 2);
-    assert_eq!(last_path(&s), poll_path("/v1/kv/feed", 5, 3, 0, 5_000));
+    assert_eq!(last_path(&s), poll_path("/v1/kv/feed", 5, 3, 0, 5_000, DEFAULT_FEED_LINGER_MS));
     let host = s.host();
     assert_eq!(host.stat("kvroute_sync.polls_ok"), Some(1));
     assert_eq!(host.stat("kvroute_sync.blocks_stored"), Some(4));
@@ -144,7 +145,7 @@ fn an_undecodable_frame_asks_for_a_snapshot() {
     assert_eq!(s.host().stat("kvroute_sync.frames_bad"), Some(1));
     s.host().advance(1_000);
     s.on_tick();
-    assert_eq!(last_path(&s), poll_path("/v1/kv/feed", 0, 0, 0, 5_000));
+    assert_eq!(last_path(&s), poll_path("/v1/kv/feed", 0, 0, 0, 5_000, DEFAULT_FEED_LINGER_MS));
 }
 
 #[test]
@@ -164,7 +165,7 @@ fn a_refused_frame_asks_for_a_snapshot_at_once() {
     answer(&mut s, 200, &delta.encode());
     assert_eq!(s.host().stat("kvroute_sync.polls_failed"), Some(0));
     s.on_tick();
-    assert_eq!(last_path(&s), poll_path("/v1/kv/feed", 0, 0, 0, 5_000));
+    assert_eq!(last_path(&s), poll_path("/v1/kv/feed", 0, 0, 0, 5_000, DEFAULT_FEED_LINGER_MS));
 }
 
 #[test]

@@ -721,6 +721,49 @@ def test_a_feed_poll_waits_for_the_next_change(fleet):
     assert delta["to"] > snap["to"] and delta["ops"][0][0] == OP_STORE
 
 
+def test_a_lingering_poll_gathers_changes_close_together(fleet):
+    """`linger_ms` (the sync service's feed_linger_ms): once a poll has a change to send, its
+    answer waits that long for more. Snapshots and polls that time out are never held."""
+    import threading
+    # No health checks: a worker marked down is a change too, and would be held.
+    f = fleet(n=2, sidecar_extra={"health_path": ""})
+    sc = f.sidecar
+    ids = set(f.ids)
+    t0 = time.time()
+    _, body = sc.get("/v1/kv/feed?epoch=0&since=0&cursor=0&timeout_ms=0&linger_ms=1000")
+    snap = decode_frame(body)
+    assert snap["kind"] == SNAPSHOT_START and time.time() - t0 < 0.5
+
+    def poll(since, linger, timeout=5000):
+        t = time.time()
+        _, body = sc.get(f"/v1/kv/feed?epoch={snap['epoch']}&since={since}&cursor=0"
+                         f"&timeout_ms={timeout}&linger_ms={linger}")
+        frame = decode_frame(body)
+        return frame, time.time() - t, {frame["workers"][w][0] for _, w, _ in frame["ops"]}
+
+    def two_changes(first):
+        for delay, w in ((0.2, 0), (0.5, 1)):
+            threading.Timer(delay, lambda w=w: f.pubs[w].publish(
+                batch("vllm", chain_events("vllm", tokens(first + w, 16))))).start()
+
+    # Waiting: the change at 0.2 s is held 0.8 s, and the one at 0.5 s goes with it.
+    two_changes(40)
+    delta, took, workers = poll(snap["to"], 800)
+    assert took >= 0.95 and workers == ids, (took, workers)
+    # Without a linger the same two changes take two answers.
+    two_changes(50)
+    first, took, workers = poll(delta["to"], 0)
+    assert took < 0.45 and len(workers) == 1, (took, workers)
+    wait_for(lambda: metric(sc, "kvroute_sidecar_events_total", type="BlockStored", outcome="applied") >= 4,
+             what="the second change")
+    # A change already there when the poll arrives is held too.
+    second, took, workers = poll(first["to"], 600)
+    assert took >= 0.55 and len(workers) == 1 and second["to"] > first["to"], (took, workers)
+    # Nothing changes: answered at the poll's timeout, not held beyond it.
+    empty, took, _ = poll(second["to"], 1000, timeout=300)
+    assert empty["from"] == empty["to"] == second["to"] and 0.25 <= took < 0.9, (took, empty)
+
+
 @pytest.mark.parametrize("text,field", [
     ("block_size = 0\n", "block_size"),
     ('[[workers]]\nid = "nohost"\nevents = "tcp://127.0.0.1:5557"\n', "workers[0].id"),
