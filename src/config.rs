@@ -502,7 +502,7 @@ impl Default for RawSyncConfig {
 
 /// How long the sidecar holds a feed answer once it has a change to send, so that changes
 /// close together reach the gateway in one answer: each answer costs Envoy's main thread a
-/// whole callout, ~0.25 ms of CPU (docs/benchmarks.md, "The feed's linger").
+/// whole callout, 0.13-0.5 ms of CPU (docs/benchmarks.md, "The feed's linger").
 pub const DEFAULT_FEED_LINGER_MS: u64 = 2;
 
 /// How often the sync service reports its gateway's load and reads the other gateways'.

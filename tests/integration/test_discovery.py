@@ -169,7 +169,7 @@ def test_dns_names_resolve_to_workers(closing):
 def test_envoy_follows_the_fleet_through_endpoint_discovery(closing, build):
     """Envoy's `workers` cluster from the sidecar (envoy/workers-eds.yaml): a registered
     worker gets requests, KV-aware, and one that leaves gets none."""
-    from harness import Envoy, render_config
+    from harness import Envoy, render_config, wait_synced
     from test_filter import b64
     from upstream import Worker
 
@@ -203,6 +203,9 @@ def test_envoy_follows_the_fleet_through_endpoint_discovery(closing, build):
     prefix = tokens(51, 32 * 16)
     engines[1].store(prefix)
     wait_for(lambda: sc.block_count(ups[1].id) == 32, what="the second worker's blocks")
+    # In Envoy's index too before the first request: one routed elsewhere first would leave
+    # its prediction there, holding the whole prompt against the events' prefix.
+    wait_synced(envoy, sc)
     wait_for(lambda: route(prefix + tokens(52, 50)) == (200, ups[1].id), what="KV-aware routing to it")
 
     # It leaves: within 2 s no request reaches it, even one sharing its prefix.

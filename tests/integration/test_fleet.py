@@ -3,6 +3,7 @@ them, and the specification's "Verify it's working" end to end through Envoy and
 import base64
 import http.client
 import json
+import os
 import struct
 import time
 
@@ -203,19 +204,30 @@ def test_the_seeds_verification_through_envoy(build):
             e.stop()
 
 
-def _our_processes():
-    """Running engines, sidecars and Envoys (what the demo starts): {pid: command line}."""
+def _marked_env():
+    """The environment for a demo run, marked so that the processes it starts, and only
+    those, can be found again (other tests run beside this one)."""
+    import uuid
+    return {**os.environ, "KVROUTE_TEST_RUN": uuid.uuid4().hex}
+
+
+def _left_running(env):
+    """Engines, sidecars, stages and Envoys (what the demo starts) still running with `env`'s mark:
+    {pid: command line}."""
     import pathlib
+    mark = f"KVROUTE_TEST_RUN={env['KVROUTE_TEST_RUN']}".encode()
     out = {}
     for p in pathlib.Path("/proc").iterdir():
         if not p.name.isdigit():
             continue
         try:
             cmd = (p / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            if not any(n in cmd for n in ("kvroute-fleet worker", "kvroute-sidecar --config", "kvroute-tokenizer", "envoy -c")):
+                continue
+            if mark in (p / "environ").read_bytes().split(b"\0"):
+                out[int(p.name)] = cmd
         except OSError:
             continue
-        if any(n in cmd for n in ("kvroute-fleet worker", "kvroute-sidecar --config", "envoy -c")):
-            out[int(p.name)] = cmd
     return out
 
 
@@ -226,10 +238,10 @@ def test_a_short_demo_run_completes_and_leaves_nothing_behind(tmp_path, build):
     import subprocess
     import sys
     from harness import ROOT
-    before = _our_processes()
+    env = _marked_env()
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "demo.py"), *DEMO_SMALL, "--build", build,
                         "--port", "0", "--out", str(tmp_path)],
-                       capture_output=True, text=True, timeout=300)
+                       capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "round robin" in r.stdout and "prefix cache hit rate" in r.stdout
     assert '"block_count"' in r.stdout  # the specification's curl, through Envoy
@@ -238,8 +250,7 @@ def test_a_short_demo_run_completes_and_leaves_nothing_behind(tmp_path, build):
     k = json.loads((tmp_path / "kvroute.json").read_text())
     assert k["failed"] == 0 and k["requests"] == 12
     time.sleep(0.5)
-    left = {pid: cmd for pid, cmd in _our_processes().items() if pid not in before}
-    assert left == {}
+    assert _left_running(env) == {}
 
 
 def test_ctrl_c_stops_everything_the_demo_started(tmp_path):
@@ -247,10 +258,10 @@ def test_ctrl_c_stops_everything_the_demo_started(tmp_path):
     import subprocess
     import sys
     from harness import ROOT
-    before = _our_processes()
+    env = _marked_env()
     p = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "demo.py"), *DEMO_SMALL,
                           "--port", "0", "--out", str(tmp_path)],
-                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
     try:
         for line in p.stdout:
             if line.startswith("kvroute:"):  # the fleet is up and the first run started
@@ -262,8 +273,7 @@ def test_ctrl_c_stops_everything_the_demo_started(tmp_path):
         if p.poll() is None:
             p.kill()
     time.sleep(0.5)
-    left = {pid: cmd for pid, cmd in _our_processes().items() if pid not in before}
-    assert left == {}
+    assert _left_running(env) == {}
 
 
 def test_ctrl_c_also_ends_a_child_no_object_holds():
