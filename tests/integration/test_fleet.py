@@ -204,6 +204,9 @@ def test_the_seeds_verification_through_envoy(build):
             e.stop()
 
 
+DEMO_PROCESSES = ("kvroute-fleet worker", "kvroute-sidecar --config", "kvroute-tokenizer", "envoy -c")
+
+
 def _marked_env():
     """The environment for a demo run, marked so that the processes it starts, and only
     those, can be found again (other tests run beside this one)."""
@@ -212,8 +215,8 @@ def _marked_env():
 
 
 def _left_running(env):
-    """Engines, sidecars, stages and Envoys (what the demo starts) still running with `env`'s mark:
-    {pid: command line}."""
+    """The demo's processes (engines, sidecar, stage, Envoy) still running with `env`'s
+    mark: {pid: command line}."""
     import pathlib
     mark = f"KVROUTE_TEST_RUN={env['KVROUTE_TEST_RUN']}".encode()
     out = {}
@@ -222,7 +225,7 @@ def _left_running(env):
             continue
         try:
             cmd = (p / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            if not any(n in cmd for n in ("kvroute-fleet worker", "kvroute-sidecar --config", "kvroute-tokenizer", "envoy -c")):
+            if not any(n in cmd for n in DEMO_PROCESSES):
                 continue
             if mark in (p / "environ").read_bytes().split(b"\0"):
                 out[int(p.name)] = cmd
