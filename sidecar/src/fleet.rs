@@ -530,14 +530,20 @@ impl Fleet {
     /// of `docs/feed-protocol.md`, "Response"): what `linger_ms` may hold back.
     /// Snapshots and their pages are never held.
     pub fn delta_ready(&self, epoch: u64, since: u64, cursor: u64) -> bool {
-        epoch == self.epoch && epoch != 0 && cursor == 0 && since < self.version
+        !self.needs_snapshot(epoch, since) && cursor == 0 && since < self.version
+    }
+
+    /// Rule 1 of `docs/feed-protocol.md`, "Response", as far as the position tells: the
+    /// client's copy is from another epoch, is empty, or is ahead of the server.
+    fn needs_snapshot(&self, epoch: u64, since: u64) -> bool {
+        epoch != self.epoch || epoch == 0 || since > self.version
     }
 
     /// Answers a poll (`docs/feed-protocol.md`, "Response"). `tiers`: the client takes
     /// `STORE_OFFLOADED` ops.
     pub fn feed(&mut self, epoch: u64, since: u64, cursor: u64, tiers: bool, may_wait: bool) -> FeedReply {
         self.stats.feed_lag_versions = self.version.saturating_sub(since);
-        let fresh = epoch != self.epoch || epoch == 0 || since > self.version;
+        let fresh = self.needs_snapshot(epoch, since);
         if !fresh && cursor != 0 {
             if let Some(s) = self.snapshot.as_ref().filter(|s| s.version == since && s.tiers == tiers) {
                 if let Some(page) = usize::try_from(cursor).ok().and_then(|c| s.pages.get(c)) {
