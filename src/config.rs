@@ -28,7 +28,18 @@ fn parse_json<T: for<'de> Deserialize<'de>>(bytes: &[u8]) -> Result<T, ConfigErr
     // An absent configuration means all defaults.
     let text = std::str::from_utf8(bytes).map_err(|_| ConfigError("configuration is not UTF-8".into()))?;
     let text = if text.trim().is_empty() { "{}" } else { text };
-    serde_json::from_str(text).map_err(|e| ConfigError(format!("invalid configuration: {e}")))
+    // serde names the key only for unknown fields; the path names it for a bad value too
+    // (`-1` where a count goes, a misspelt variant), so the log line says what to fix.
+    let mut de = serde_json::Deserializer::from_str(text);
+    let value = serde_path_to_error::deserialize(&mut de).map_err(|e| {
+        let path = e.path().to_string();
+        match path.as_str() {
+            "." => ConfigError(format!("invalid configuration: {}", e.inner())),
+            _ => ConfigError(format!("invalid configuration: `{path}`: {}", e.inner())),
+        }
+    })?;
+    de.end().map_err(|e| ConfigError(format!("invalid configuration: {e}")))?;
+    Ok(value)
 }
 
 /// How requests are placed.
@@ -667,9 +678,9 @@ mod tests {
         let cases: &[(&str, &str)] = &[
             (r#"{"overlap_wieght": 1}"#, "overlap_wieght"),
             (r#"{"overlap_weight": -1}"#, "overlap_weight"),
-            (r#"{"overlap_weight": "high"}"#, "invalid type"),
+            (r#"{"overlap_weight": "high"}"#, "`overlap_weight`: invalid type"),
             (r#"{"block_size": 0}"#, "block_size"),
-            (r#"{"mode": "disagg"}"#, "unknown variant"),
+            (r#"{"mode": "disagg"}"#, "`mode`: unknown variant"),
             (r#"{"max_endpoints": 0}"#, "max_endpoints"),
             (r#"{"token_header": "X-Tokens"}"#, "token_header"),
             (r#"{"token_header_b64": "x-prompt-token-ids"}"#, "token_header_b64"),
@@ -680,21 +691,21 @@ mod tests {
             (r#"{"offload_hit_credit": 1.5}"#, "offload_hit_credit"),
             (r#"{"offload_hit_credit": -0.1}"#, "offload_hit_credit"),
             (r#"{"prefill_load_weight": -2}"#, "prefill_load_weight"),
-            (r#"{"prefill_load_weight": null}"#, "invalid type"),
-            (r#"{"prefill_drain": "yes"}"#, "invalid type"),
+            (r#"{"prefill_load_weight": null}"#, "`prefill_load_weight`: invalid type"),
+            (r#"{"prefill_drain": "yes"}"#, "`prefill_drain`: invalid type"),
             (r#"{"wait_slack_per_hit": -0.5}"#, "wait_slack_per_hit"),
             (r#"{"idle_wait_slack_per_hit": -0.5}"#, "idle_wait_slack_per_hit"),
-            (r#"{"wait_slack_per_hit": "some"}"#, "invalid type"),
+            (r#"{"wait_slack_per_hit": "some"}"#, "`wait_slack_per_hit`: invalid type"),
             (r#"{"holder_tie_per_hit": -1}"#, "holder_tie_per_hit"),
-            (r#"{"holder_tie_per_hit": "yes"}"#, "invalid type"),
+            (r#"{"holder_tie_per_hit": "yes"}"#, "`holder_tie_per_hit`: invalid type"),
             (r#"{"holder_tie_load_slack": -1}"#, "holder_tie_load_slack"),
             (r#"{"holder_tie_load_slack": 1e7}"#, "holder_tie_load_slack"),
             (r#"{"kv_capacity_blocks": 0}"#, "kv_capacity_blocks"),
-            (r#"{"kv_capacity_blocks": -1}"#, "invalid value"),
-            (r#"{"kv_capacity_blocks": 0.5}"#, "invalid type"),
-            (r#"{"kv_capacity_blocks": 4294967296}"#, "invalid value"),
-            (r#"{"kv_capacity_blocks": "auto"}"#, "invalid value"),
-            (r#"{"kv_capacity_blocks": true}"#, "invalid type"),
+            (r#"{"kv_capacity_blocks": -1}"#, "`kv_capacity_blocks`: invalid value"),
+            (r#"{"kv_capacity_blocks": 0.5}"#, "`kv_capacity_blocks`: invalid type"),
+            (r#"{"kv_capacity_blocks": 4294967296}"#, "`kv_capacity_blocks`: invalid value"),
+            (r#"{"kv_capacity_blocks": "auto"}"#, "`kv_capacity_blocks`: invalid value"),
+            (r#"{"kv_capacity_blocks": true}"#, "`kv_capacity_blocks`: invalid type"),
             (r#"{"cache_key_spread": -1}"#, "cache_key_spread"),
             (r#"{"cache_key_window_ms": 999}"#, "cache_key_window_ms"),
             (r#"{"cache_key_window_ms": 86400001}"#, "cache_key_window_ms"),
@@ -703,8 +714,8 @@ mod tests {
             (r#"{"cache_key_window_ms": 5000, "cache_key_live_ms": 5001}"#, "cache_key_live_ms"),
             (r#"{"cache_key_header": "x-kvroute-cache-salt"}"#, "cache_key_header"),
             (r#"{"cache_key_header": "X-Key"}"#, "cache_key_header"),
-            (r#"{"active_blocks": "current"}"#, "unknown variant"),
-            (r#"{"destination_via": "cookie"}"#, "unknown variant"),
+            (r#"{"active_blocks": "current"}"#, "`active_blocks`: unknown variant"),
+            (r#"{"destination_via": "cookie"}"#, "`destination_via`: unknown variant"),
             (r#"[1]"#, "invalid"),
             (r#"{"#, "invalid"),
         ];
@@ -718,6 +729,9 @@ mod tests {
             (r#"{"feed_path": "v1/kv/feed"}"#, "feed_path"),
             (r#"{"stale_after_ms": 100}"#, "stale_after_ms"),
             (r#"{"feed_linger_ms": 1001}"#, "feed_linger_ms"),
+            (r#"{"feed_linger_ms": -1}"#, "`feed_linger_ms`: invalid value"),
+            (r#"{"stale_after_ms": "10s"}"#, "`stale_after_ms`: invalid type"),
+            (r#"{} {}"#, "trailing characters"),
             (r#"{"feed": 1}"#, "unknown field"),
             (r#"{"load_report_interval_ms": 50}"#, "load_report_interval_ms"),
             (r#"{"load_report_interval_ms": 10001}"#, "load_report_interval_ms"),

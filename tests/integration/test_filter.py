@@ -494,16 +494,21 @@ def test_down_workers_are_never_chosen(setup):
     assert all(s.workers[0].id not in r["x-gateway-destination-endpoint"] for r in up)
 
 
-def test_bad_plugin_configuration_refuses_to_load(tmp_path, build):
+@pytest.mark.parametrize("bad, says", [
+    ({"overlap_wieght": 2}, "overlap_wieght"),                          # an unknown key
+    ({"kv_capacity_blocks": -1}, "`kv_capacity_blocks`: invalid value"),  # a bad value, named
+    ({"mode": "disagg"}, "`mode`: unknown variant"),
+], ids=["unknown_key", "negative_count", "bad_variant"])
+def test_bad_plugin_configuration_refuses_to_load(tmp_path, build, bad, says):
     from harness import render_config, free_port
     import json
-    cfg, _, _ = render_config([], free_port(), {"overlap_wieght": 2}, build=build)
+    cfg, _, _ = render_config([], free_port(), bad, build=build)
     path = tmp_path / "bad.json"
     path.write_text(json.dumps(cfg))
     r = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(path)],
                        capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert r.returncode != 0
-    assert "overlap_wieght" in r.stdout + r.stderr
+    assert says in r.stdout + r.stderr
 
 
 @pytest.mark.parametrize("config", [ENVOY_YAML, ENVOY_NATIVE_YAML], ids=["wasm", "native"])
