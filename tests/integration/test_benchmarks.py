@@ -78,6 +78,27 @@ def test_envoy_overhead_measures_both_builds_and_another_beside_them(tmp_path):
         assert bad.returncode == 2 and why in bad.stderr, bad.stderr
 
 
+def test_stream_chunks_streams_every_answer_through_each_build(tmp_path):
+    """benches/stream_chunks.py: plain Envoy and both builds at two chunk counts, every
+    streamed answer read to its last chunk, the filter on every request of the builds."""
+    out = tmp_path / "chunks.json"
+    bench = str(ROOT / "benches" / "stream_chunks.py")
+    r = subprocess.run([sys.executable, bench, "--rounds", "1", "--duration", "1", "--chunks", "2,8",
+                        "--answer-ms", "8", "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    d = json.loads(out.read_text())
+    assert set(d["runs"]) == {f"{v}/{c}" for v in ("plain", "wasm", "native") for c in (2, 8)}
+    for key, [run] in d["runs"].items():
+        assert run["requests"] > 0 and run["failed"] == 0, (key, run)
+        assert run["envoy_cpu_us_per_request"] > 0, (key, run)
+        if not key.startswith("plain"):
+            assert run["filter_requests"] > 0, (key, run)
+    assert set(d["per_chunk_us"]) == {"plain", "wasm", "native"}
+    assert "| wasm |" in r.stdout
+    bad = subprocess.run([sys.executable, bench, "--chunks", "8,2"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--chunks" in bad.stderr, bad.stderr
+
+
 def test_the_prefix_hash_ring_is_the_same_every_run():
     """The prefix-hash baseline places workers on Envoy's ring by index, not by their
     (random) ports: the same header value reaches the same worker index in every run."""
