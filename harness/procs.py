@@ -67,13 +67,24 @@ def free_port():
     ephemeral range: a port from the range (bind to 0) can be given to some client's
     outgoing connection before the server binds it ("Address already in use"), which
     happened under the stage benchmark's connection churn. Ports are not handed out twice
-    in one process; the range's first 12k ports make a clash between processes rare."""
+    in one process; the range's first 12k ports make a clash between processes rare, and
+    the test runner's workers (pytest-xdist, and what they start) draw from disjoint parts
+    of it."""
     try:
         low = int(pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
         low = 0
+    first, last = max(1024, low - 12000), low
+    try:
+        worker = int(os.environ.get("PYTEST_XDIST_WORKER", "").removeprefix("gw"))
+        workers = int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+    except (KeyError, ValueError):
+        worker, workers = 0, 1
+    if 0 <= worker < workers:
+        share = (last - first) // workers
+        first, last = first + worker * share, first + (worker + 1) * share
     for _ in range(200 if low > 20000 else 0):
-        port = _port_rng.randrange(max(1024, low - 12000), low)
+        port = _port_rng.randrange(first, last)
         if port in _handed_out:
             continue
         with socket.socket() as s:
