@@ -43,6 +43,13 @@ impl Prompts {
         Ok(Prompts { model: model.to_string(), max_model_len, stage })
     }
 
+    /// Forgets what the tokenizer has cached, as a new engine process would start.
+    pub fn forget_cached(&self) {
+        for m in self.stage.iter().flat_map(|s| s.models()) {
+            m.forget_cached();
+        }
+    }
+
     pub fn model(&self) -> Option<&Model> {
         self.stage.as_ref().and_then(|s| s.models().first())
     }

@@ -1,6 +1,7 @@
 //! The mock engine as a server: vLLM's OpenAI API (`/v1/completions`,
 //! `/v1/chat/completions`, streaming and not), `/health`, `/v1/models`, `/metrics` with
-//! vLLM's metric names, `POST /reset_prefix_cache`; the [`Engine`] driven by timers (not
+//! vLLM's metric names, `POST /reset_prefix_cache`, the mock's own `POST
+//! /reset_tokenizer_cache`; the [`Engine`] driven by timers (not
 //! spinning: many workers share two cores); KV events published as vLLM does.
 
 use crate::engine::{Engine, Output, Request, Timing};
@@ -283,6 +284,12 @@ async fn handle(shared: Arc<Shared>, req: HttpRequest<Incoming>) -> Result<Resp,
             shared.publish(&events);
             full(StatusCode::OK, "text/plain", "")
         }
+        // The mock's own: its tokenizer's caches emptied, so a benchmark's next router finds
+        // the engines as the first one did (a prompt tokenized before costs less again).
+        (Method::POST, "/reset_tokenizer_cache") => {
+            shared.prompts.forget_cached();
+            full(StatusCode::OK, "text/plain", "")
+        }
         (Method::POST, "/v1/completions") => generate(shared, req, false).await,
         (Method::POST, "/v1/chat/completions") => generate(shared, req, true).await,
         (Method::POST, "/tokenize") => tokenize(shared, req).await,
@@ -293,6 +300,7 @@ async fn handle(shared: Arc<Shared>, req: HttpRequest<Incoming>) -> Result<Resp,
             | "/metrics"
             | "/v1/kv/blocks"
             | "/reset_prefix_cache"
+            | "/reset_tokenizer_cache"
             | "/v1/completions"
             | "/v1/chat/completions"
             | "/tokenize",

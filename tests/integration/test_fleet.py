@@ -83,6 +83,13 @@ def test_kv_events_decode_with_vllms_own_structs(engine):
         assert conn.getresponse().status == 200
         _, batch = sub.next()
         assert [type(ev) for ev in batch.events] == [kv.AllBlocksCleared]
+        # The mock's own reset of its tokenizer's caches: POST only, and no KV event.
+        for method, status in (("POST", 200), ("GET", 405)):
+            conn = http.client.HTTPConnection("127.0.0.1", e.port, timeout=5)
+            conn.request(method, "/reset_tokenizer_cache")
+            r = conn.getresponse()
+            r.read()
+            assert r.status == status, (method, r.status)
 
         # The replay socket, spoken to as vLLM's protocol says: each reply the live layout
         # [topic, seq, payload] behind the envelope, then [b"", b"", END, b""].

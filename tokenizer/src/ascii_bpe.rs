@@ -156,6 +156,11 @@ impl AsciiBpe {
         Ok(AsciiBpe { byte_id, merges, whole, digits, words: Mutex::new(AHashMap::new()) })
     }
 
+    /// Forgets every word it has cached.
+    pub fn forget(&self) {
+        lock(&self.words).clear();
+    }
+
     /// The ids of `text` (no special tokens), or `None` where HF must do it: a non-ASCII
     /// byte, or a pre-token longer than [`MAX_WORD`].
     pub fn encode(&self, text: &str) -> Option<Vec<u32>> {

@@ -151,6 +151,11 @@ impl Model {
         })
     }
 
+    /// Forgets what its tokenizer has cached ([`Segmenter::forget`]).
+    pub fn forget_cached(&self) {
+        self.segmenter.forget();
+    }
+
     pub fn cache_stats(&self) -> CacheStats {
         self.segmenter.stats()
     }

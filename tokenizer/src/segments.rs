@@ -239,6 +239,17 @@ impl Segmenter {
         Ok(())
     }
 
+    /// Forgets every cached piece and the ASCII encoder's words, as a new process would
+    /// start (a piece being tokenized now is still cached when done); counts stay.
+    pub fn forget(&self) {
+        let mut c = lock(&self.cache);
+        c.map.clear();
+        c.bytes = 0;
+        if let Ok(a) = &self.ascii {
+            a.forget();
+        }
+    }
+
     pub fn stats(&self) -> CacheStats {
         let c = lock(&self.cache);
         CacheStats {

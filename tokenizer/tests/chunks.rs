@@ -94,6 +94,22 @@ fn a_shared_prefix_is_looked_up_not_tokenized_again() {
 }
 
 #[test]
+fn a_forgotten_cache_tokenizes_again_and_the_same() {
+    let model = qwen3(64 << 20);
+    let t = " plain words of a long system prompt".repeat(300);
+    let ids = model.encode_unbounded(&t, false).unwrap();
+    let warm = model.cache_stats();
+    assert!(warm.entries > 0, "{warm:?}");
+    model.forget_cached();
+    assert_eq!((model.cache_stats().entries, model.cache_stats().bytes), (0, 0));
+    // The same ids, found as the first time: the same misses, the same hits (the text
+    // repeats itself, so it hits its own chunks).
+    assert_eq!(model.encode_unbounded(&t, false).unwrap(), ids);
+    let after = model.cache_stats();
+    assert_eq!((after.hits - warm.hits, after.misses - warm.misses), (warm.hits, warm.misses), "{warm:?} -> {after:?}");
+}
+
+#[test]
 fn no_cache_tokenizes_the_same() {
     let model = qwen3(0);
     let t = text(&mut Rng(7), 8 * CHUNK_BYTES);
