@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import json
 import multiprocessing
+import os
 import pathlib
 import socket
 import statistics
@@ -81,7 +82,8 @@ def serve(ports, answer_s, ready):
 
 def closed_loop(port, request, duration, connections):
     """Keep-alive connections, one thread each, sending `request` and reading each chunked
-    answer to its last chunk. Requests done, and failures (a connection that broke)."""
+    answer to its last chunk. Requests done, and failures (a connection that broke, or an
+    answer that did not end within 10 s: an error answer is not chunked)."""
     done, failed, lock = [0], [0], threading.Lock()
     stop = time.time() + duration
 
@@ -90,7 +92,7 @@ def closed_loop(port, request, duration, connections):
         while time.time() < stop:
             try:
                 if sock is None:
-                    sock = socket.create_connection(("127.0.0.1", port))
+                    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
                     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 sock.sendall(request)
                 buf = b""
@@ -180,7 +182,6 @@ def main():
         sys.exit("the upstream did not start")
     if ENVOY_CPU:
         # Envoy has core 0; the upstream shares the other with the client.
-        import os
         os.sched_setaffinity(upstream.pid, {1})
     prompt = tokens(2048)
     variants = ["plain", *builds]

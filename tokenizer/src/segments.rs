@@ -242,9 +242,11 @@ impl Segmenter {
     /// Forgets every cached piece and the ASCII encoder's words, as a new process would
     /// start (a piece being tokenized now is still cached when done); counts stay.
     pub fn forget(&self) {
-        let mut c = lock(&self.cache);
-        c.map.clear();
-        c.bytes = 0;
+        {
+            let mut c = lock(&self.cache);
+            c.map.clear();
+            c.bytes = 0;
+        }
         if let Ok(a) = &self.ascii {
             a.forget();
         }
