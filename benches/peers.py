@@ -377,8 +377,9 @@ def main():
                          "agentic loop, the group in shared-prefix workloads), as agent clients do; every line "
                          "gets it, and kvroute places new keys apart (docs/benchmarks.md, \"Cache keys\")")
     ap.add_argument("--rotate", type=int, default=0, metavar="N",
-                    help="run the lines in their order rotated by N (the first line of a run can be slower "
-                         "than the same line later in it: docs/benchmarks.md)")
+                    help="run the lines in their order rotated by N (the first line of a run met engines "
+                         "that had not tokenized its prompts yet, before the fleet's reset emptied their "
+                         "tokenizer caches too: docs/benchmarks.md, \"The first line of a run met colder engines\")")
     ap.add_argument("--merge", action="store_true",
                     help="keep the runs already in <out>/results.json that this run does not redo "
                          "(same workload and line); the plots keep the earlier lines that kept samples")
