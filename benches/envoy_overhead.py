@@ -33,6 +33,7 @@ libkvroute_native.so as `VARIANT@LABEL` (a refactor's before and after, or two r
 """
 import argparse
 import base64
+import contextlib
 import json
 import os
 import pathlib
@@ -243,6 +244,32 @@ def build_of(path):
     return "native" if pathlib.Path(path).suffix == ".so" else "wasm"
 
 
+@contextlib.contextmanager
+def envoy_under_test(workers, state, filter_cfg, plain, artifact=None, build="wasm"):
+    """The Envoy measured (one worker thread, pinned) in front of `workers`, with the sync
+    service fed `state` and applied before it is used; `plain`: without kvroute.
+    Yields (envoy, listener port)."""
+    feed = FeedServer(state)
+    try:
+        cfg, lp, ap = render_config(workers, feed.port, filter_cfg, wasm=artifact, build=build,
+                                    kvroute_filter=not plain, kvroute_sync=not plain)
+        envoy = Envoy(cfg, lp, ap, concurrency=1, cpus=ENVOY_CPU)
+        try:
+            if not plain:
+                wait_for(lambda: envoy.stat("kvroute_sync.version") >= state.version, what="feed applied")
+            yield envoy, lp
+        finally:
+            envoy.stop()
+    finally:
+        feed.stop()
+
+
+def stat_delta(before, after, stat):
+    """How far the kvroute stat ending in `stat` moved between two `Envoy.stats` reads."""
+    k = next((k for k in after if k.endswith(stat)), None)
+    return after.get(k, 0) - before.get(k, 0) if k else 0
+
+
 def run_variant(name, upstream, prompt, encoding, duration, connections, distinct=0, builds=None):
     """builds: label -> artifact path for `VARIANT@LABEL` (the label `native` without an
     entry: this checkout's module)."""
@@ -259,19 +286,13 @@ def run_variant(name, upstream, prompt, encoding, duration, connections, distinc
             # Worker i holds (i+1)/16 of the prompt: every segment has a holder.
             n = len(prompt) * (i + 1) // N_WORKERS // 16 * 16
             state.store(f"127.0.0.1:{w.port}", prompt[:n])
-    feed = FeedServer(state)
     filter_cfg = {"max_tokens": 131072}
     if name == "fresh":
         filter_cfg["predict_on_route"] = False
     if literal:
         filter_cfg.update(active_blocks="in_flight", prefill_load_weight=0)
     plain = name == "plain"
-    cfg, lp, ap = render_config(workers, feed.port, filter_cfg, wasm=artifact, build=build,
-                                kvroute_filter=not plain, kvroute_sync=not plain)
-    envoy = Envoy(cfg, lp, ap, concurrency=1, cpus=ENVOY_CPU)
-    try:
-        if name != "plain":
-            wait_for(lambda: envoy.stat("kvroute_sync.version") >= state.version, what="feed applied")
+    with envoy_under_test(workers, state, filter_cfg, plain, artifact=artifact, build=build) as (envoy, lp):
         if distinct:
             # Prompts that differ from their first block on, sent in turn.
             requests = [request_with(*header_of(name, [i, *prompt[1:]], encoding)) for i in range(distinct)]
@@ -291,8 +312,7 @@ def run_variant(name, upstream, prompt, encoding, duration, connections, distinc
         after = envoy.stats("kvroute")
 
         def delta(stat):
-            k = next((k for k in after if k.endswith(stat)), None)
-            return after.get(k, 0) - before.get(k, 0) if k else 0
+            return stat_delta(before, after, stat)
 
         reqs = delta("kvroute.requests")
         if name != "plain":
@@ -302,9 +322,6 @@ def run_variant(name, upstream, prompt, encoding, duration, connections, distinc
             result["scored"] = delta("kvroute.scored")
             result["filter_requests"] = reqs
         return result
-    finally:
-        envoy.stop()
-        feed.stop()
 
 
 def main():

@@ -33,9 +33,9 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from harness import BUILDS, Envoy, free_port, render_config, wait_for  # noqa: E402
-from harness.kvfeed import FeedServer, FeedState  # noqa: E402
-from envoy_overhead import ENVOY_CPU, N_WORKERS, Port, header_of, tokens  # noqa: E402
+from harness import BUILDS, free_port  # noqa: E402
+from harness.kvfeed import FeedState  # noqa: E402
+from envoy_overhead import ENVOY_CPU, N_WORKERS, Port, envoy_under_test, header_of, stat_delta, tokens  # noqa: E402
 
 END = b"\r\n0\r\n\r\n"
 
@@ -125,21 +125,14 @@ def closed_loop(port, request, duration, connections):
 
 def measure(variant, ports, prompt, chunks, duration, connections):
     """Envoy's CPU per request for `variant` (plain, or a build name) at `chunks` chunks."""
-    workers = [Port(p) for p in ports]
     state = FeedState()
     state.set_workers([(f"127.0.0.1:{p}", "both", True) for p in ports])
-    feed = FeedServer(state)
     plain = variant == "plain"
-    build = "wasm" if plain else variant
-    cfg, lp, ap = render_config(workers, feed.port, {"max_tokens": 131072}, build=build,
-                                kvroute_filter=not plain, kvroute_sync=not plain)
-    envoy = Envoy(cfg, lp, ap, concurrency=1, cpus=ENVOY_CPU)
     name, value = header_of("cold", prompt, "base64")
     request = (f"POST /v1/completions HTTP/1.1\r\nhost: bench\r\ncontent-length: 2\r\nx-chunks: {chunks}\r\n"
                f"{name}: {value}\r\n\r\n{{}}").encode()
-    try:
-        if not plain:
-            wait_for(lambda: envoy.stat("kvroute_sync.version") >= state.version, what="feed applied")
+    with envoy_under_test([Port(p) for p in ports], state, {"max_tokens": 131072}, plain,
+                          build="wasm" if plain else variant) as (envoy, lp):
         closed_loop(lp, request, 2, connections)  # warm-up
         before = envoy.stats("kvroute")
         cpu0 = envoy.cpu_seconds()
@@ -149,13 +142,8 @@ def measure(variant, ports, prompt, chunks, duration, connections):
         out = {"requests": n, "failed": failed, "rps": n / elapsed,
                "envoy_cpu_us_per_request": (envoy.cpu_seconds() - cpu0) / max(n, 1) * 1e6}
         if not plain:
-            after = envoy.stats("kvroute")
-            key = next((k for k in after if k.endswith("kvroute.requests")), None)
-            out["filter_requests"] = after.get(key, 0) - before.get(key, 0) if key else 0
+            out["filter_requests"] = stat_delta(before, envoy.stats("kvroute"), "kvroute.requests")
         return out
-    finally:
-        envoy.stop()
-        feed.stop()
 
 
 def main():
