@@ -2,9 +2,11 @@
 plain OpenAI requests, sent by the official `openai` client and by hand, are tokenized as
 vLLM does (the golden token ids of tests/vectors/tokenizer/qwen3.json) and land on the worker
 that caches their prefix; everything the stage cannot read is routed by load, never failed."""
+import concurrent.futures
 import contextlib
 import http.client
 import json
+import os
 import pathlib
 import subprocess
 import time
@@ -252,6 +254,32 @@ def test_tokenize_answers_as_vllm_does():
         assert body["token_strs"] == ["Hello"]
         assert stage.tokenize({"model": "nope", "prompt": "x"})[0] == 404
         assert stage.tokenize({"messages": "not a list"})[0] == 400
+    finally:
+        stage.stop()
+
+
+def test_the_stage_tokenizes_on_threads_started_before_its_first_request():
+    """Every tokenizing thread is started and warmed before the stage listens, and none is
+    started or ended under traffic; the process has no transparent huge pages (a first
+    tokenization on a new thread, or a cache table grown into new memory, stalled 35-100 ms
+    on them)."""
+    stage = Tokenizer(extra={"max_concurrency": 2})
+    try:
+        pid = stage.proc.pid
+        status = pathlib.Path(f"/proc/{pid}/status").read_text()
+        if "THP_enabled:" in status:  # Linux >= 5.0
+            assert "THP_enabled:\t0" in status, status
+        assert "4 tokenizing threads warmed" in stage.logs()  # the 2 permits, and 2 for /tokenize
+
+        def threads():
+            return sorted(int(t) for t in os.listdir(f"/proc/{pid}/task"))
+
+        before = threads()
+        words = " ".join(f"w{i}" for i in range(3000))
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(lambda i: stage.tokenize({"prompt": f"{i} {words}"}), range(32)))
+        assert all(status == 200 for status, _ in answers)
+        assert threads() == before
     finally:
         stage.stop()
 

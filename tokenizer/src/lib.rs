@@ -11,6 +11,7 @@
 //! - [`extproc`]: Envoy's ext_proc protocol, the gRPC service and what it does per request
 //! - [`stats`]: counters and `/metrics`
 //! - [`http`]: `/tokenize` in vLLM's shape, `/metrics`, `/healthz`
+//! - [`pool`]: the tokenizing threads, started and warmed before the first request
 //! - [`selfcheck`]: the startup comparison with a worker's own `/tokenize`
 
 pub mod ascii_bpe;
@@ -19,6 +20,7 @@ pub mod config;
 pub mod extproc;
 pub mod http;
 pub mod model;
+pub mod pool;
 pub mod pyjson;
 pub mod segments;
 pub mod selfcheck;

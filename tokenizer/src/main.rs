@@ -6,6 +6,7 @@ use kvroute_tokenizer::config::{Cli, Config};
 use kvroute_tokenizer::extproc::handler::StageProcessor;
 use kvroute_tokenizer::extproc::server::ExternalProcessorServer;
 use kvroute_tokenizer::http;
+use kvroute_tokenizer::pool;
 use kvroute_tokenizer::stage::Stage;
 use kvroute_tokenizer::stats::Stats;
 use std::sync::Arc;
@@ -22,6 +23,7 @@ fn main() {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info"))
         .format_timestamp_micros()
         .init();
+    no_huge_pages();
     let cli = Cli::parse();
     let config = match Config::load(&cli) {
         Ok(c) => c,
@@ -36,6 +38,20 @@ fn main() {
     }
 }
 
+/// Opts the process out of transparent huge pages. Where the kernel gives them on every
+/// fault (`enabled: always`), a request that first touches a 2 MiB range waits while the
+/// kernel zeroes a whole huge page: 15–100 ms on a two-core VM, measured in the stage's own
+/// tokenizations when a cache table grew (docs/benchmarks.md, "The stage's stalls on new
+/// memory"). Small pages spread that cost thin. Databases advise the same for their
+/// latency (Redis, MongoDB).
+fn no_huge_pages() {
+    #[cfg(target_os = "linux")]
+    // SAFETY: PR_SET_THP_DISABLE takes an integer flag and touches no memory of ours.
+    if unsafe { libc::prctl(libc::PR_SET_THP_DISABLE, 1, 0, 0, 0) } != 0 {
+        log::warn!("transparent huge pages not turned off: {}", std::io::Error::last_os_error());
+    }
+}
+
 fn run(config: Config) -> Result<(), String> {
     let t = Instant::now();
     let stage = Arc::new(Stage::new(&config.models, config.trust_request_chat_template, config.any_model_name)?);
@@ -44,12 +60,18 @@ fn run(config: Config) -> Result<(), String> {
     }
     log::info!("tokenizers loaded in {:.2} s", t.elapsed().as_secs_f64());
     let stats = Arc::new(Stats::default());
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .max_blocking_threads(config.max_concurrency.max(1) + 2)
-        .build()
-        .map_err(|e| format!("tokio runtime: {e}"))?;
+    // The ext_proc permits, and two for /tokenize.
+    let threads = config.max_concurrency.max(1) + 2;
+    let rt = pool::runtime(threads).map_err(|e| format!("tokio runtime: {e}"))?;
     rt.block_on(async move {
+        let t = Instant::now();
+        let warmed = pool::warm(stage.clone(), threads).await;
+        if warmed < threads {
+            log::warn!(
+                "only {warmed} of {threads} tokenizing threads started at once; later requests may start the rest"
+            );
+        }
+        log::info!("{warmed} tokenizing threads warmed in {:.0} ms", t.elapsed().as_secs_f64() * 1e3);
         let processor = StageProcessor {
             stage: stage.clone(),
             stats: stats.clone(),
