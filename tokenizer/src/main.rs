@@ -40,9 +40,9 @@ fn main() {
 
 /// Opts the process out of transparent huge pages. Where the kernel gives them on every
 /// fault (`enabled: always`), a request that first touches a 2 MiB range waits while the
-/// kernel zeroes a whole huge page: 15–100 ms on a two-core VM, measured in the stage's own
-/// tokenizations when a cache table grew (docs/benchmarks.md, "The stage's stalls on new
-/// memory"). Small pages spread that cost thin. Databases advise the same for their
+/// kernel zeroes a whole huge page: 15–100 ms on a two-core VM, in the stage's own
+/// tokenizations (docs/benchmarks.md, "The stage's stalls on new memory"), whenever an
+/// allocation grows into new memory, as a cache table does. Small pages spread that cost. Databases advise the same for their
 /// latency (Redis, MongoDB).
 fn no_huge_pages() {
     #[cfg(target_os = "linux")]
