@@ -42,8 +42,8 @@ fn main() {
 /// fault (`enabled: always`), a request that first touches a 2 MiB range waits while the
 /// kernel zeroes a whole huge page: 15–100 ms on a two-core VM, in the stage's own
 /// tokenizations (docs/benchmarks.md, "The stage's stalls on new memory"), whenever an
-/// allocation grows into new memory, as a cache table does. Small pages spread that cost. Databases advise the same for their
-/// latency (Redis, MongoDB).
+/// allocation grows into new memory, as a cache table does. Small pages spread that cost.
+/// Databases advise the same for their latency (Redis, MongoDB).
 fn no_huge_pages() {
     #[cfg(target_os = "linux")]
     // SAFETY: PR_SET_THP_DISABLE takes an integer flag and touches no memory of ours.
