@@ -62,6 +62,34 @@ fn llama3_shaped_ids_are_hfs() {
 }
 
 #[test]
+fn threads_sharing_its_word_cache_get_hfs_ids() {
+    let tok = tokenizer(&qwen3_json());
+    let ascii = AsciiBpe::new(&tok).unwrap();
+    let mut rng = Rng(11);
+    let texts: Vec<(String, Vec<u32>)> = (0..2_000)
+        .map(|_| {
+            let t = text(&mut rng);
+            let ids = tok.encode_fast(t.as_str(), false).unwrap().get_ids().to_vec();
+            (t, ids)
+        })
+        .collect();
+    // More threads than the encoder has word caches (at most 16), each from another place
+    // in the texts: threads with caches of their own, and threads sharing one.
+    const THREADS: usize = 20;
+    std::thread::scope(|s| {
+        for k in 0..THREADS {
+            let (ascii, texts) = (&ascii, &texts);
+            s.spawn(move || {
+                for i in 0..texts.len() {
+                    let (t, want) = &texts[(i + k * texts.len() / THREADS) % texts.len()];
+                    assert_eq!(ascii.encode(t).as_ref(), Some(want), "{t:?}");
+                }
+            });
+        }
+    });
+}
+
+#[test]
 fn what_it_leaves_to_hf() {
     let mut json = qwen3_json();
     let ascii = AsciiBpe::new(&tokenizer(&json)).unwrap();
