@@ -94,8 +94,8 @@ fn main() {
         );
     }
     for pass in ["first sighting", "seen before"] {
-        // Seven rounds, one thread then two; the medians. Each thread encodes its part once
-        // first for "seen before" (the word caches are per thread), then all start at once.
+        // Seven rounds, one thread then two; the medians. For "seen before" each thread
+        // encodes its part once first, then all start at once.
         let mut wall = [Vec::new(), Vec::new()];
         for _ in 0..7 {
             for (k, threads) in [1, 2].into_iter().enumerate() {

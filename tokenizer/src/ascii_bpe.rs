@@ -10,10 +10,8 @@
 //!   ASCII (letters `A-Za-z`, digits `0-9`, whitespace `\t\n\v\f\r `), with the regex's
 //!   alternation order and backtracking;
 //! - the byte-level alphabet (GPT-2's `bytes_to_unicode`), as ids;
-//! - BPE merges by rank, leftmost first (what HF's merge queue does), with word caches
-//!   that are cleared when full, one for each thread (as many as the stage's threads on a
-//!   machine of up to 14 cores), so threads at once do not wait for each other: one shared
-//!   cache made two threads slower than one (benches/ascii_bpe.rs).
+//! - BPE merges by rank, leftmost first (what HF's merge queue does), with a word cache
+//!   that is cleared when full.
 //!
 //! The normalizers these tokenizers use (none, or a Unicode normal form) leave ASCII as it
 //! is. Anything else is left to HF: a text with a non-ASCII byte, a pre-token longer than
@@ -25,8 +23,6 @@ use ahash::AHashMap;
 use kvroute_serve::lock;
 use serde::Deserialize;
 use serde_json::Value;
-use std::cell::Cell;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 use tokenizers::Tokenizer;
 
@@ -49,19 +45,8 @@ pub const GPT4_SPLITS: [(&str, usize); 2] = [
 /// O(n²), cheap for words and runs of spaces, not for a 10k-byte run of punctuation).
 pub const MAX_WORD: usize = 256;
 
-/// Words a cache holds before it is cleared: ~6 MB, several times an English vocabulary.
+/// Words cached before the cache is cleared: ~6 MB, several times an English vocabulary.
 const WORD_CACHE_ENTRIES: usize = 1 << 16;
-
-/// The most word caches an encoder keeps (~100 MB when all are full); more threads share.
-const MAX_WORD_CACHES: usize = 16;
-
-/// The number the next thread gets; its word cache is that number modulo their count.
-static NEXT_THREAD: AtomicUsize = AtomicUsize::new(0);
-
-thread_local! {
-    /// This thread's number, once it has one.
-    static THREAD: Cell<usize> = const { Cell::new(usize::MAX) };
-}
 
 pub struct AsciiBpe {
     /// The vocabulary id of each ASCII byte's byte-level character.
@@ -72,8 +57,7 @@ pub struct AsciiBpe {
     whole: Option<AHashMap<Box<[u8]>, u32>>,
     /// The longest run of digits in one pre-token.
     digits: usize,
-    /// One per tokenizing thread: the stage's (a permit for each core, and two more).
-    words: Box<[Mutex<WordCache>]>,
+    words: Mutex<WordCache>,
 }
 
 /// Pre-token bytes → ids.
@@ -169,12 +153,12 @@ impl AsciiBpe {
         } else {
             None
         };
-        Ok(AsciiBpe { byte_id, merges, whole, digits, words: word_caches() })
+        Ok(AsciiBpe { byte_id, merges, whole, digits, words: Mutex::new(AHashMap::new()) })
     }
 
     /// Forgets every word it has cached.
     pub fn forget(&self) {
-        self.words.iter().for_each(|w| lock(w).clear());
+        lock(&self.words).clear();
     }
 
     /// The ids of `text` (no special tokens), or `None` where HF must do it: a non-ASCII
@@ -185,7 +169,7 @@ impl AsciiBpe {
             return None;
         }
         let mut out = Vec::with_capacity(b.len() / 4 + 1);
-        let mut words = lock(&self.words[thread_number() % self.words.len()]);
+        let mut words = lock(&self.words);
         let mut at = 0;
         while at < b.len() {
             let end = pre_token_end(b, at, self.digits);
@@ -239,23 +223,6 @@ impl AsciiBpe {
         }
         out.extend_from_slice(&ids);
     }
-}
-
-/// As many word caches as the stage has tokenizing threads by default, up to
-/// [`MAX_WORD_CACHES`].
-fn word_caches() -> Box<[Mutex<WordCache>]> {
-    let threads = std::thread::available_parallelism().map_or(2, |n| n.get()) + 2;
-    (0..threads.min(MAX_WORD_CACHES)).map(|_| Mutex::default()).collect()
-}
-
-/// This thread's number, given at its first call: a thread keeps its word cache.
-fn thread_number() -> usize {
-    THREAD.with(|c| {
-        if c.get() == usize::MAX {
-            c.set(NEXT_THREAD.fetch_add(1, Ordering::Relaxed));
-        }
-        c.get()
-    })
 }
 
 /// The digit run length of `tok`'s pre-tokenizer, if its pipeline is a GPT-4-style split

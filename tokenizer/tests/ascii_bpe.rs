@@ -62,7 +62,7 @@ fn llama3_shaped_ids_are_hfs() {
 }
 
 #[test]
-fn threads_sharing_its_word_cache_get_hfs_ids() {
+fn threads_at_once_get_hfs_ids() {
     let tok = tokenizer(&qwen3_json());
     let ascii = AsciiBpe::new(&tok).unwrap();
     let mut rng = Rng(11);
@@ -73,8 +73,8 @@ fn threads_sharing_its_word_cache_get_hfs_ids() {
             (t, ids)
         })
         .collect();
-    // More threads than the encoder has word caches (at most 16), each from another place
-    // in the texts: threads with caches of their own, and threads sharing one.
+    // Many threads on one encoder, each from another place in the texts: words merged by
+    // one while others wait for the cache, the same word cached by several.
     const THREADS: usize = 20;
     std::thread::scope(|s| {
         for k in 0..THREADS {
