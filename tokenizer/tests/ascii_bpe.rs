@@ -74,7 +74,7 @@ fn threads_at_once_get_hfs_ids() {
         })
         .collect();
     // Many threads on one encoder, each from another place in the texts: words merged by
-    // one while others wait for the cache, the same word cached by several.
+    // one while the others wait for the cache, and met by them once it is free.
     const THREADS: usize = 20;
     std::thread::scope(|s| {
         for k in 0..THREADS {
