@@ -165,6 +165,7 @@ struct RawFilterConfig {
     prefill_drain: bool,
     wait_slack_per_hit: Option<f64>,
     idle_wait_slack_per_hit: Option<f64>,
+    wait_slack_backlog: Option<f64>,
     holder_tie_per_hit: Option<f64>,
     holder_tie_load_slack: Option<f64>,
     kv_capacity_blocks: Option<KvCapacity>,
@@ -205,6 +206,7 @@ impl Default for RawFilterConfig {
             prefill_drain: false,
             wait_slack_per_hit: Some(DEFAULT_WAIT_SLACK_PER_HIT),
             idle_wait_slack_per_hit: Some(DEFAULT_IDLE_WAIT_SLACK_PER_HIT),
+            wait_slack_backlog: Some(DEFAULT_WAIT_SLACK_BACKLOG),
             holder_tie_per_hit: Some(DEFAULT_HOLDER_TIE_PER_HIT),
             holder_tie_load_slack: None,
             kv_capacity_blocks: Some(KvCapacity::Learned),
@@ -286,6 +288,11 @@ pub struct FilterConfig {
     /// request passed over would start at once there. `None`: `wait_slack_per_hit` always.
     /// No effect without `wait_slack_per_hit`.
     pub idle_wait_slack_per_hit: Option<f64>,
+    /// The wait limit's growth with the fleet's backlog ([`crate::score`]): with every
+    /// worker's prefill queue non-empty, α grows by this much per request's worth of prefill
+    /// the quickest worker has outstanding. `None`: α stays. No effect without
+    /// `wait_slack_per_hit`.
+    pub wait_slack_backlog: Option<f64>,
     /// The holder tie ([`crate::score`]): the blocks of extra cost each extra cache hit may
     /// buy when the request would start its prefill no later on the holder. `None`: no tie.
     pub holder_tie_per_hit: Option<f64>,
@@ -320,6 +327,11 @@ pub const DEFAULT_WAIT_SLACK_PER_HIT: f64 = 0.5;
 /// prefill (zipf_hot's tail); below ~0.35 a burst of a dozen same-prefix requests splits.
 /// Everywhere (not only with an idle worker) 0.45 cost the mocker's zipf_hot its hit rate.
 pub const DEFAULT_IDLE_WAIT_SLACK_PER_HIT: f64 = 0.45;
+
+/// Chosen by the head-to-head benchmark (docs/benchmarks.md, "The wait limit", "In a
+/// backlog"): at a fixed α the fleet's zipf_busy and the mocker's zipf_hot, past capacity,
+/// copied their hot prefix into other queues, each copy prefill the others waited behind.
+pub const DEFAULT_WAIT_SLACK_BACKLOG: f64 = 1.0;
 
 /// Chosen by the head-to-head benchmark (docs/benchmarks.md, "Cache keys").
 pub const DEFAULT_CACHE_KEY_SPREAD: f64 = 2.0;
@@ -374,6 +386,7 @@ impl FilterConfig {
         let wait_slack_per_hit = raw.wait_slack_per_hit.map(|v| weight("wait_slack_per_hit", v)).transpose()?;
         let idle_wait_slack_per_hit =
             raw.idle_wait_slack_per_hit.map(|v| weight("idle_wait_slack_per_hit", v)).transpose()?;
+        let wait_slack_backlog = raw.wait_slack_backlog.map(|v| weight("wait_slack_backlog", v)).transpose()?;
         let holder_tie_per_hit = raw.holder_tie_per_hit.map(|v| weight("holder_tie_per_hit", v)).transpose()?;
         let holder_tie_load_slack =
             raw.holder_tie_load_slack.map(|v| weight("holder_tie_load_slack", v)).transpose()?;
@@ -458,6 +471,7 @@ impl FilterConfig {
             prefill_drain: raw.prefill_drain,
             wait_slack_per_hit,
             idle_wait_slack_per_hit,
+            wait_slack_backlog,
             holder_tie_per_hit,
             holder_tie_load_slack,
             kv_capacity_blocks: raw.kv_capacity_blocks.unwrap_or(KvCapacity::Off),
@@ -639,6 +653,9 @@ mod tests {
         assert_eq!(c.idle_wait_slack_per_hit, Some(DEFAULT_IDLE_WAIT_SLACK_PER_HIT));
         let one = FilterConfig::from_json(br#"{"idle_wait_slack_per_hit": null}"#).unwrap();
         assert_eq!((one.wait_slack_per_hit, one.idle_wait_slack_per_hit), (Some(DEFAULT_WAIT_SLACK_PER_HIT), None));
+        assert_eq!(c.wait_slack_backlog, Some(DEFAULT_WAIT_SLACK_BACKLOG));
+        let flat = FilterConfig::from_json(br#"{"wait_slack_backlog": null}"#).unwrap();
+        assert_eq!((flat.wait_slack_per_hit, flat.wait_slack_backlog), (Some(DEFAULT_WAIT_SLACK_PER_HIT), None));
         assert_eq!(c.holder_tie_per_hit, Some(DEFAULT_HOLDER_TIE_PER_HIT));
         let untied = FilterConfig::from_json(br#"{"holder_tie_per_hit": null}"#).unwrap();
         assert_eq!(untied.holder_tie_per_hit, None);
@@ -695,6 +712,7 @@ mod tests {
             (r#"{"prefill_drain": "yes"}"#, "`prefill_drain`: invalid type"),
             (r#"{"wait_slack_per_hit": -0.5}"#, "wait_slack_per_hit"),
             (r#"{"idle_wait_slack_per_hit": -0.5}"#, "idle_wait_slack_per_hit"),
+            (r#"{"wait_slack_backlog": 1e7}"#, "wait_slack_backlog"),
             (r#"{"wait_slack_per_hit": "some"}"#, "`wait_slack_per_hit`: invalid type"),
             (r#"{"holder_tie_per_hit": -1}"#, "holder_tie_per_hit"),
             (r#"{"holder_tie_per_hit": "yes"}"#, "`holder_tie_per_hit`: invalid type"),

@@ -29,7 +29,11 @@
 //! While some worker has no prefill outstanding, α is `idle_wait_slack_per_hit`
 //! (smaller): a request passed over then starts at once there, and the copy of its prefix
 //! it makes costs no one queueing; with every worker busy, a copy's prefill lands in
-//! another worker's queue and the holder is kept longer.
+//! another worker's queue and the holder is kept longer. How much longer grows with the
+//! fleet's backlog (`wait_slack_backlog`, β): α × (1 + β × the least prefill any worker has
+//! outstanding ÷ the request's blocks). In a backlog a spilled request starts no sooner than
+//! the quickest queue lets it, and the prefix it copies is prefill every later request there
+//! waits behind: a fleet past its capacity serves fewer requests per block computed twice.
 //!
 //! The memory limit (`kv_capacity_blocks`; by default each engine's capacity as learned
 //! from its evictions): a worker whose in-flight requests would hold more distinct blocks
@@ -137,6 +141,10 @@ pub struct Weights {
     /// α of the wait limit while some worker has no prefill outstanding (module docs);
     /// `None`: `wait_slack_per_hit` throughout.
     pub idle_wait_slack_per_hit: Option<f64>,
+    /// β of the wait limit's backlog (module docs): with every worker busy, α grows by this
+    /// much per request's worth of prefill the quickest worker has outstanding. `None`: α
+    /// stays.
+    pub wait_slack_backlog: Option<f64>,
     /// τ of the holder tie (module docs); `None`: no tie.
     pub holder_tie_per_hit: Option<f64>,
     /// k of the holder tie (module docs), in the request's blocks; `None`: the cost test
@@ -217,9 +225,13 @@ pub fn rank(
     });
     let least = out.iter().map(|s| s.candidate.wait).min().unwrap_or(0);
     // Idle: some worker has no prefill outstanding (its wait is the request's own).
+    let backlog = out.iter().map(|s| s.candidate.wait.saturating_sub(s.candidate.own_prefill)).min().unwrap_or(0);
     let slack = weights.wait_slack_per_hit.map(|a| match weights.idle_wait_slack_per_hit {
-        Some(idle) if out.iter().any(|s| s.candidate.wait <= s.candidate.own_prefill) => idle,
-        _ => a,
+        Some(idle) if backlog == 0 => idle,
+        _ => match weights.wait_slack_backlog {
+            Some(beta) if request_blocks > 0 => a * (1.0 + beta * f64::from(backlog) / f64::from(request_blocks)),
+            _ => a,
+        },
     });
     // The memory limit applies while some worker has room for the request.
     let fits = |s: &Scored| s.candidate.kv_capacity_blocks.is_none_or(|cap| s.candidate.memory_blocks <= cap);
@@ -300,6 +312,7 @@ mod tests {
             offload_hit_credit,
             wait_slack_per_hit: None,
             idle_wait_slack_per_hit: None,
+            wait_slack_backlog: None,
             holder_tie_per_hit: None,
             holder_tie_load_slack: None,
         }
@@ -401,6 +414,7 @@ mod tests {
             offload_hit_credit: 0.5,
             wait_slack_per_hit: None,
             idle_wait_slack_per_hit: None,
+            wait_slack_backlog: None,
             holder_tie_per_hit: None,
             holder_tie_load_slack: None,
         };
@@ -458,6 +472,7 @@ mod tests {
             offload_hit_credit: 0.5,
             wait_slack_per_hit: None,
             idle_wait_slack_per_hit: None,
+            wait_slack_backlog: None,
             holder_tie_per_hit: None,
             holder_tie_load_slack: None,
         };
@@ -495,6 +510,7 @@ mod tests {
             offload_hit_credit: DEFAULT_OFFLOAD_HIT_CREDIT,
             wait_slack_per_hit: Some(DEFAULT_WAIT_SLACK_PER_HIT),
             idle_wait_slack_per_hit: Some(DEFAULT_IDLE_WAIT_SLACK_PER_HIT),
+            wait_slack_backlog: Some(DEFAULT_WAIT_SLACK_BACKLOG),
             holder_tie_per_hit: Some(DEFAULT_HOLDER_TIE_PER_HIT),
             holder_tie_load_slack: None,
         }
@@ -532,6 +548,36 @@ mod tests {
         let r = rank(&[idle, holder], shipped(), 132, 0, &mut out);
         assert!(!r.spilled);
         assert_eq!(out[0].candidate.slot, 1);
+    }
+
+    /// A fleet past its capacity: every worker has a queue. The quickest has 384 blocks of
+    /// prefill outstanding (two 192-block requests' worth), so the request would wait 576
+    /// there; the holder of its 128 shared blocks has 700, a wait of 764. That is 188 blocks
+    /// more, beyond α × 128 = 64, and a fixed α passes the holder over. With the backlog
+    /// counted (the shipped β 1: α × (1 + 384 ÷ 192) = 1.5, 192 blocks) the holder is kept;
+    /// at 800 outstanding (288 more) it is passed over again.
+    #[test]
+    fn the_wait_limit_grows_with_the_fleets_backlog() {
+        let quickest = Candidate { wait: 384 + 192, own_prefill: 192, pending_prefill: 576, ..cand(0, 0, 576) };
+        let holder = |queued: u32| Candidate {
+            wait: queued + 64,
+            own_prefill: 64,
+            pending_prefill: queued + 64,
+            ..cand(1, 128, 100)
+        };
+        let (backlog, flat) = (shipped(), Weights { wait_slack_backlog: None, ..shipped() });
+        let mut out = Vec::new();
+        assert!(rank(&[quickest, holder(700)], flat, 192, 0, &mut out).spilled);
+        assert_eq!(out[0].candidate.slot, 0);
+        assert!(!rank(&[quickest, holder(700)], backlog, 192, 0, &mut out).spilled);
+        assert_eq!(out[0].candidate.slot, 1);
+        assert!(rank(&[quickest, holder(800)], backlog, 192, 0, &mut out).spilled);
+        assert_eq!(out[0].candidate.slot, 0);
+        // With a worker idle there is no backlog: the idle slack as before, whatever β.
+        let idle = Candidate { wait: 192, own_prefill: 192, pending_prefill: 192, ..cand(0, 0, 192) };
+        let near = holder(192);
+        assert!(rank(&[idle, near], backlog, 192, 0, &mut out).spilled);
+        assert!(rank(&[idle, near], flat, 192, 0, &mut out).spilled);
     }
 
     #[test]
@@ -672,6 +718,7 @@ mod tests {
             offload_hit_credit: 0.5,
             wait_slack_per_hit: Some(0.5),
             idle_wait_slack_per_hit: None,
+            wait_slack_backlog: None,
             holder_tie_per_hit: None,
             holder_tie_load_slack: None,
         };
@@ -695,6 +742,7 @@ mod tests {
             offload_hit_credit: 0.5,
             wait_slack_per_hit: Some(0.5),
             idle_wait_slack_per_hit: None,
+            wait_slack_backlog: None,
             holder_tie_per_hit: None,
             holder_tie_load_slack: None,
         };

@@ -610,6 +610,26 @@ fn bad_or_missing_cached_counts_leave_the_tie_to_the_hash() {
 }
 
 #[test]
+fn a_backlog_keeps_a_burst_on_its_holder_longer() {
+    // Two workers, each prefilling a cold 32-block prompt, then a burst of 32-block requests
+    // (a 30-block prefix): after the first, the k-th sibling waits 64 + 2k blocks on the
+    // holder against 64 on the other worker. A fixed α 0.5 lets the prefix's 30 hits buy 15
+    // blocks: the ninth request (k = 8) leaves. With the 32 blocks the other worker has
+    // outstanding counted (β 1: α × (1 + 32 ÷ 32)), 30 blocks: all twelve stay.
+    let first_spill = |json: &str| {
+        let (store, _) = fleet(2, vec![]);
+        let mut r = Router::new(cfg(json));
+        let busy: Vec<String> = (0..2)
+            .map(|i| route(&mut r, &store, &prompt(50 + i, 32 * 16), u64::from(i)).destinations[0].clone())
+            .collect();
+        assert_ne!(busy[0], busy[1], "one cold prompt on each worker");
+        (0..12).position(|i| route(&mut r, &store, &burst_prompt(1000 + i), 10 + u64::from(i)).spilled)
+    };
+    assert_eq!(first_spill(r#"{"wait_slack_backlog": null}"#), Some(8));
+    assert_eq!(first_spill("{}"), None);
+}
+
+#[test]
 fn a_held_prefix_spills_by_the_hash_not_the_counts() {
     // Worker 0 holds the prefix and is far too busy; 1, 2 and 3 tie for the spill. The hash
     // picks the second worker, the same one each time, whatever the counts (2 is empty).
