@@ -76,7 +76,7 @@ fn ranking(c: &mut Criterion) {
             offload_hit_credit: 0.5,
             wait_slack_per_hit: Some(0.5),
             idle_wait_slack_per_hit: Some(0.45),
-            wait_slack_backlog: None,
+            wait_slack_backlog: Some(1.0),
             holder_tie_per_hit: Some(0.25),
             holder_tie_load_slack: None,
         };

@@ -224,7 +224,8 @@ pub fn rank(
             .then(a.candidate.slot.cmp(&b.candidate.slot))
     });
     let least = out.iter().map(|s| s.candidate.wait).min().unwrap_or(0);
-    // Idle: some worker has no prefill outstanding (its wait is the request's own).
+    // The fleet's backlog: the least prefill any worker has outstanding. 0: some worker is
+    // idle (its wait is the request's own).
     let backlog = out.iter().map(|s| s.candidate.wait.saturating_sub(s.candidate.own_prefill)).min().unwrap_or(0);
     let slack = weights.wait_slack_per_hit.map(|a| match weights.idle_wait_slack_per_hit {
         Some(idle) if backlog == 0 => idle,
