@@ -409,16 +409,7 @@ mod tests {
         w0.pending_prefill = 40;
         let w1 = cand(1, 8, 2);
         let mut out = Vec::new();
-        let weights = Weights {
-            overlap: 1.0,
-            prefill_load: 0.5,
-            offload_hit_credit: 0.5,
-            wait_slack_per_hit: None,
-            idle_wait_slack_per_hit: None,
-            wait_slack_backlog: None,
-            holder_tie_per_hit: None,
-            holder_tie_load_slack: None,
-        };
+        let weights = Weights { prefill_load: 0.5, ..w(1.0, 0.5) };
         rank(&[w0, w1], weights, 10, 0, &mut out);
         assert_eq!((out[0].candidate.slot, out[0].cost, out[1].cost), (1, 4.0, 24.0));
         // Weight 0: the prefill term is gone, and the cost is the specification's.
@@ -467,16 +458,7 @@ mod tests {
         let holder = Candidate { wait: 300 + 64, own_prefill: 64, ..cand(0, 128, 400) };
         let cold = Candidate { wait: 192, own_prefill: 192, ..cand(1, 0, 500) };
         let mut out = Vec::new();
-        let off = Weights {
-            overlap: 1.0,
-            prefill_load: 0.0,
-            offload_hit_credit: 0.5,
-            wait_slack_per_hit: None,
-            idle_wait_slack_per_hit: None,
-            wait_slack_backlog: None,
-            holder_tie_per_hit: None,
-            holder_tie_load_slack: None,
-        };
+        let off = w(1.0, 0.5);
         // The cost alone: 64 + 400 against 192 + 500, the holder.
         assert!(!rank(&[cold, holder], off, 192, 0, &mut out).spilled);
         assert_eq!(out[0].candidate.slot, 0);
@@ -713,16 +695,7 @@ mod tests {
         // decoding).
         let all = [mk(3, 0, 30, 10, 10), mk(2, 0, 20, 10, 10), mk(1, 8, 1, 40, 2), mk(0, 9, 0, 50, 1)];
         let mut out = Vec::new();
-        let weights = Weights {
-            overlap: 1.0,
-            prefill_load: 0.0,
-            offload_hit_credit: 0.5,
-            wait_slack_per_hit: Some(0.5),
-            idle_wait_slack_per_hit: None,
-            wait_slack_backlog: None,
-            holder_tie_per_hit: None,
-            holder_tie_load_slack: None,
-        };
+        let weights = Weights { wait_slack_per_hit: Some(0.5), ..w(1.0, 0.5) };
         assert!(rank(&all, weights, 10, 0, &mut out).spilled);
         let order: Vec<usize> = out.iter().map(|s| s.candidate.slot).collect();
         // Admissible (wait ≤ 10 + 0.5 × hits): 2 and 3; then 0 and 1 in cost order.
@@ -737,16 +710,7 @@ mod tests {
         let holder = Candidate { wait: 20, own_prefill: 16, ..cand(0, 128, 2000) };
         let cold = Candidate { wait: 144, own_prefill: 144, ..cand(1, 0, 0) };
         let mut out = Vec::new();
-        let weights = Weights {
-            overlap: 1.0,
-            prefill_load: 1.0,
-            offload_hit_credit: 0.5,
-            wait_slack_per_hit: Some(0.5),
-            idle_wait_slack_per_hit: None,
-            wait_slack_backlog: None,
-            holder_tie_per_hit: None,
-            holder_tie_load_slack: None,
-        };
+        let weights = Weights { prefill_load: 1.0, wait_slack_per_hit: Some(0.5), ..w(1.0, 0.5) };
         assert!(!rank(&[holder, cold], weights, 144, 0, &mut out).spilled);
         assert_eq!(out[0].candidate.slot, 1);
     }
