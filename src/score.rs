@@ -227,13 +227,12 @@ pub fn rank(
     // The fleet's backlog: the least prefill any worker has outstanding. 0: some worker is
     // idle (its wait is the request's own).
     let backlog = out.iter().map(|s| s.candidate.wait.saturating_sub(s.candidate.own_prefill)).min().unwrap_or(0);
-    let slack = weights.wait_slack_per_hit.map(|a| match weights.idle_wait_slack_per_hit {
-        Some(idle) if backlog == 0 => idle,
-        _ => match weights.wait_slack_backlog {
-            Some(beta) if request_blocks > 0 => a * (1.0 + beta * f64::from(backlog) / f64::from(request_blocks)),
+    let slack =
+        weights.wait_slack_per_hit.map(|a| match (weights.idle_wait_slack_per_hit, weights.wait_slack_backlog) {
+            (Some(idle), _) if backlog == 0 => idle,
+            (_, Some(beta)) if request_blocks > 0 => a * (1.0 + beta * f64::from(backlog) / f64::from(request_blocks)),
             _ => a,
-        },
-    });
+        });
     // The memory limit applies while some worker has room for the request.
     let fits = |s: &Scored| s.candidate.kv_capacity_blocks.is_none_or(|cap| s.candidate.memory_blocks <= cap);
     let room = out.iter().any(fits);
