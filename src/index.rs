@@ -432,6 +432,11 @@ impl SyncIndex {
                 let slot = usize::from(staged[i].slot);
                 let (_, gpu) = set_hold_bits(&mut merged[at..at + stride], mw, slot, staged[i].hold);
                 self.count_cached(slot, gpu);
+                // A snapshot's stores count only once merged: what the engine is seen to
+                // hold then can raise its learned capacity, as a delta's stores do.
+                if gpu > 0 {
+                    self.raise_capacity(slot);
+                }
                 i += 1;
             }
         }
@@ -1411,6 +1416,18 @@ mod tests {
         // A snapshot (the sidecar restarted) keeps it: the engines did not change.
         ix.apply(&frame(FrameKind::SnapshotStart, 0, 1, ws.clone(), vec![])).unwrap();
         assert_eq!(ix.table().slots[0].kv_capacity_blocks, 17);
+        // One whose engine holds more than that raises it once its stores are merged, as a
+        // delta's would.
+        ix.apply(&frame(
+            FrameKind::SnapshotStart,
+            0,
+            1,
+            ws.clone(),
+            vec![Op::Store { worker: 0, blocks: blocks[..20].to_vec() }],
+        ))
+        .unwrap();
+        ix.merge_all();
+        assert_eq!((ix.cached_blocks()[0], ix.table().slots[0].kv_capacity_blocks), (20, 20));
         // An engine that restarted is learned anew.
         delta(&mut ix, vec![Op::Store { worker: 0, blocks: blocks[..4].to_vec() }, Op::Clear { worker: 0 }]);
         assert_eq!(capacities(&mut ix), Some(vec![0, 0]));

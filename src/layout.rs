@@ -371,10 +371,13 @@ pub fn prefill_epoch(now_ms: u64) -> u32 {
 }
 
 /// A slot's prefill rate as sums of the blocks its ended prefills computed and the busy ms
-/// they took, each sum decayed by 1/8 at every ended prefill (about the last eight count),
-/// in 1/16 units. A ratio of sums, not a mean of ratios: prefills batched into one engine
-/// step end together, the first with the step's whole time and the rest with none, and
-/// only their sums give the rate.
+/// they took, in 1/16 units, over about the last [`RATE_WINDOW_MS`] of busy time: when the
+/// ms pass it, both sums are scaled down together. A ratio of sums, not a mean of ratios:
+/// prefills batched into one engine step end together, the first with the step's whole
+/// time and the rest with none, and only their sums give the rate. The window is of time,
+/// not of prefills: a step ending dozens of short prefills at once (a hot prefix's questions)
+/// must not push its own time out of the sums, which would read as a rate of many blocks in
+/// no time.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PrefillRate {
     pub blocks: u32,
@@ -385,12 +388,25 @@ pub struct PrefillRate {
 /// prefill started longer ago is stale (charges expire within two epochs anyway).
 const MAX_DRAIN_MS: u32 = 2 * PREFILL_EPOCH_MS as u32;
 
+/// The busy time a slot's prefill rate is measured over ([`PrefillRate`]): several
+/// prefills of a 2k-token prompt on the engines measured here (0.2–0.4 s each), so one
+/// slow step moves it little, and recent enough to follow a change of load.
+pub const RATE_WINDOW_MS: u32 = 4_000;
+
 impl PrefillRate {
     /// An ended prefill of `blocks` that kept the slot busy `ms`.
     fn sample(&mut self, blocks: u32, ms: u32) {
-        let decayed = |sum: u32, x: u32| (sum - sum / 8).saturating_add(x.saturating_mul(16));
-        self.blocks = decayed(self.blocks, blocks);
-        self.ms = decayed(self.ms, ms);
+        let (b, m) = (u64::from(self.blocks) + u64::from(blocks) * 16, u64::from(self.ms) + u64::from(ms) * 16);
+        let window = u64::from(RATE_WINDOW_MS) * 16;
+        // Past the window, both scale down together: the ratio stays, the old time weighs less.
+        let (b, m) = if m > window { (b * window / m, window) } else { (b, m) };
+        self.blocks = b.min(u64::from(u32::MAX)) as u32;
+        self.ms = m as u32;
+    }
+
+    /// Whether no prefill has ended to give a rate.
+    pub fn is_unknown(&self) -> bool {
+        self.ms == 0
     }
 
     /// Blocks computed in `ms` at this rate; none before any prefill ended.
@@ -413,10 +429,12 @@ impl SlotLoad {
     }
 
     /// Outstanding prefill blocks at `now_ms`, less what the slot's learned rate has
-    /// computed since its prefill began draining.
-    pub fn draining_prefill(&self, now_ms: u64) -> u32 {
+    /// computed since its prefill began draining; `fleet` stands in for a rate the slot has
+    /// not learned yet (no prefill of its own ended: a new engine, the first seconds).
+    pub fn draining_prefill(&self, now_ms: u64, fleet: PrefillRate) -> u32 {
         let pending = self.pending_prefill(prefill_epoch(now_ms));
-        pending.saturating_sub(self.prefill_rate.blocks_in(elapsed_ms(now_ms, self.prefill_since_ms)))
+        let rate = if self.prefill_rate.is_unknown() { fleet } else { self.prefill_rate };
+        pending.saturating_sub(rate.blocks_in(elapsed_ms(now_ms, self.prefill_since_ms)))
     }
 
     /// Applies one change at the writer's `now_ms`. A release of a prefill that `ended`
@@ -529,8 +547,20 @@ impl LoadVector {
         self.0.get(slot).map_or(0, |s| s.pending_prefill(epoch))
     }
     /// Outstanding prefill blocks of `slot` at `now_ms`, drained ([`SlotLoad::draining_prefill`]).
-    pub fn draining_prefill(&self, slot: usize, now_ms: u64) -> u32 {
-        self.0.get(slot).map_or(0, |s| s.draining_prefill(now_ms))
+    pub fn draining_prefill(&self, slot: usize, now_ms: u64, fleet: PrefillRate) -> u32 {
+        self.0.get(slot).map_or(0, |s| s.draining_prefill(now_ms, fleet))
+    }
+    /// The fleet's prefill rate: every slot's sums added (a ratio of sums, as one slot's is),
+    /// for a slot that has not learned its own. Engines behind one route usually serve one
+    /// model on one kind of GPU; unknown (0 ms) before any prefill ended anywhere.
+    pub fn fleet_prefill_rate(&self) -> PrefillRate {
+        let (blocks, ms) = self
+            .0
+            .iter()
+            .fold((0u64, 0u64), |(b, m), s| (b + u64::from(s.prefill_rate.blocks), m + u64::from(s.prefill_rate.ms)));
+        // Both scaled alike into u32: the ratio is what counts.
+        let shift = (64 - blocks.max(ms).leading_zeros()).saturating_sub(32);
+        PrefillRate { blocks: (blocks >> shift) as u32, ms: (ms >> shift) as u32 }
     }
     fn slot_mut(&mut self, slot: usize) -> Option<&mut SlotLoad> {
         slot_record(&mut self.0, slot)
@@ -1066,40 +1096,79 @@ mod tests {
     #[test]
     fn outstanding_prefill_drains_at_the_rate_ended_prefills_were_computed_at() {
         let ch = |blocks| PrefillChange { slot: 0, epoch: 0, blocks };
+        let none = PrefillRate::default();
         let mut l = LoadVector::default();
         // Before any prefill ended nothing is known of the rate: the charge stands whole.
         l.apply_prefill(&[ch(100)], 1_000, false);
-        assert_eq!(l.draining_prefill(0, 5_000), 100);
+        assert_eq!(l.draining_prefill(0, 5_000, none), 100);
         // 100 blocks ended 500 ms after the charge found the slot idle: 0.2 blocks/ms. A
         // charge while it ran does not restart the drain; the end does.
         l.apply_prefill(&[ch(60)], 1_200, false);
         l.apply_prefill(&[ch(-100)], 1_500, true);
         assert_eq!(l.0[0].prefill_rate.blocks_in(500), 100);
-        assert_eq!(l.draining_prefill(0, 1_500), 60);
-        assert_eq!(l.draining_prefill(0, 1_600), 40);
-        assert_eq!(l.draining_prefill(0, 1_900), 0, "never below 0");
+        assert_eq!(l.draining_prefill(0, 1_500, none), 60);
+        assert_eq!(l.draining_prefill(0, 1_600, none), 40);
+        assert_eq!(l.draining_prefill(0, 1_900, none), 0, "never below 0");
         assert_eq!(l.pending_prefill(0, 0), 60, "the charge itself stands until its end");
         // A stream that ended before its first token is no sample, and the drain goes on.
         let rate = l.0[0].prefill_rate;
         l.apply_prefill(&[ch(40), ch(-40)], 1_700, false);
-        assert_eq!((l.0[0].prefill_rate, l.draining_prefill(0, 1_700)), (rate, 20));
+        assert_eq!((l.0[0].prefill_rate, l.draining_prefill(0, 1_700, none)), (rate, 20));
         // Two prefills of one engine step end together: the first takes the step's time,
-        // the second none, and their sum gives the rate (60 + 40 blocks in 500 ms; the
-        // first sample already decayed by an eighth when the second comes).
+        // the second none, and their sum gives the rate (60 + 40 blocks in 500 ms).
         let mut l = LoadVector::default();
         l.apply_prefill(&[ch(60), ch(40)], 0, false);
         l.apply_prefill(&[ch(-60)], 500, true);
         assert_eq!(l.0[0].prefill_rate.blocks_in(500), 60);
         l.apply_prefill(&[ch(-40)], 500, true);
-        assert_eq!(l.0[0].prefill_rate.blocks_in(500), 105);
+        assert_eq!(l.0[0].prefill_rate.blocks_in(500), 100);
+        // So do forty: a step's many short prefills (a hot prefix's questions, 4 blocks
+        // each, 160 in 400 ms) keep its time in the sums and read 0.4 a ms, not thousands.
+        let mut many = LoadVector::default();
+        many.apply_prefill(&[ch(160)], 0, false);
+        for _ in 0..40 {
+            many.apply_prefill(&[ch(-4)], 400, true);
+        }
+        assert_eq!(many.0[0].prefill_rate.blocks_in(1_000), 400);
+        // Past the window the old time weighs less: 20 s at 0.1 a ms after it reads ~0.1.
+        for t in 1..=40 {
+            many.apply_prefill(&[ch(50)], 400 + 500 * (t - 1), false);
+            many.apply_prefill(&[ch(-50)], 400 + 500 * t, true);
+        }
+        assert_eq!(many.0[0].prefill_rate.blocks_in(1_000), 100);
         assert_eq!(LoadVector::decode(&l.encode()), l);
         // A drain that started long ago (a clock jump, a stale slot) stops at two epochs.
         l.apply_prefill(&[ch(1_000_000)], 1_000, false);
-        assert_eq!(l.draining_prefill(0, 1_000 + 10 * PREFILL_EPOCH_MS), 0);
-        assert_eq!(l.0[0].draining_prefill(u64::from(u32::MAX) + 2_000), 0, "the ms clock wraps");
+        assert_eq!(l.draining_prefill(0, 1_000 + 10 * PREFILL_EPOCH_MS, none), 0);
+        assert_eq!(l.0[0].draining_prefill(u64::from(u32::MAX) + 2_000, none), 0, "the ms clock wraps");
+        // A slot that has ended no prefill drains at the fleet's rate, the others' sums
+        // added: slot 1's 100 blocks in 500 ms and slot 2's 100 in 1000 ms give 200 in 1500,
+        // 0.133 a ms. A slot with a rate keeps its own.
+        let mut l = LoadVector::default();
+        let on = |slot, blocks| PrefillChange { slot, epoch: 0, blocks };
+        l.apply_prefill(&[on(1, 60), on(1, 40), on(2, 100)], 0, false);
+        l.apply_prefill(&[on(1, -60), on(1, -40)], 500, true);
+        l.apply_prefill(&[on(2, -100)], 1_000, true);
+        l.apply_prefill(&[on(3, 90)], 1_000, false);
+        let fleet = l.fleet_prefill_rate();
+        assert_eq!((fleet.blocks_in(300), l.draining_prefill(3, 1_300, fleet)), (40, 50));
+        assert_eq!(l.draining_prefill(3, 1_300, none), 90, "no fleet rate: the charge stands whole");
+        assert!(LoadVector::default().fleet_prefill_rate().is_unknown());
+        let own = |l: &LoadVector| l.0[1].prefill_rate;
+        l.apply_prefill(&[on(1, 50)], 2_000, false);
+        assert_eq!(l.draining_prefill(1, 2_100, fleet), 50 - own(&l).blocks_in(100));
+        // Sums of every slot saturated still give the rate (scaled, not wrapped).
+        let big = LoadVector(vec![
+            SlotLoad {
+                prefill_rate: PrefillRate { blocks: u32::MAX, ms: u32::MAX / 2 },
+                ..SlotLoad::default()
+            };
+            64
+        ]);
+        assert_eq!(big.fleet_prefill_rate().blocks_in(1_000), 2_000);
         // Sums saturate: a record of any bytes is applied without overflow.
         let mut r = PrefillRate { blocks: u32::MAX, ms: u32::MAX };
         r.sample(u32::MAX, MAX_DRAIN_MS);
-        assert_eq!((r.blocks, r.blocks_in(1_000)), (u32::MAX, 1_142));
+        assert_eq!((r.blocks, r.ms, r.blocks_in(1_000)), (1_087_513, RATE_WINDOW_MS * 16, 16_992));
     }
 }

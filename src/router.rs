@@ -706,6 +706,7 @@ impl Router {
         let potential = self.cfg.active_blocks == ActiveBlocks::Potential;
         let (scan, request_blocks) = (r.scan, r.blocks);
         let epoch = prefill_epoch(r.now_ms);
+        let fleet_rate = if self.cfg.prefill_drain { r.load.fleet_prefill_rate() } else { Default::default() };
         self.candidates.clear();
         // No worker holds or carries any of the request's blocks: a prefix new to the set.
         let mut unseen = true;
@@ -725,7 +726,7 @@ impl Router {
             let own = if prefills { own_prefill(scan, slot, request_blocks) } else { 0 };
             // As charged until each first token, or less what the worker has computed since.
             let own_outstanding = if self.cfg.prefill_drain {
-                r.load.draining_prefill(slot, r.now_ms)
+                r.load.draining_prefill(slot, r.now_ms, fleet_rate)
             } else {
                 r.load.pending_prefill(slot, epoch)
             };
