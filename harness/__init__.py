@@ -12,13 +12,15 @@ simulated fleet's mock engines, started on loopback ports and always stopped aga
 
 Scripts put the repository root on sys.path and `from harness import ...`.
 """
-from .envoy import BUILDS, ENVOY_POLICIES, PREFIX_HASH_HEADER, Envoy, envoy_binary, render_config, wait_synced
+from .envoy import (BUILDS, ENVOY_POLICIES, PREFIX_HASH_HEADER, Envoy, envoy_binary, render_config, wait_at_version,
+                    wait_synced)
 from .paths import ENVOY_NATIVE_YAML, ENVOY_YAML, FLEET, NATIVE, ROOT, SIDECAR, TOKENIZER, TOKENIZER_DIR, WASM
 from .procs import Processes, end_children, free_port, ready_or_stop, stop_process, wait_for, wait_http_ok
 from .services import MockEngine, Sidecar, Tokenizer, reset_fleet, start_fleet
 
 __all__ = [
-    "BUILDS", "ENVOY_POLICIES", "PREFIX_HASH_HEADER", "Envoy", "envoy_binary", "render_config", "wait_synced",
+    "BUILDS", "ENVOY_POLICIES", "PREFIX_HASH_HEADER", "Envoy", "envoy_binary", "render_config",
+    "wait_at_version", "wait_synced",
     "ENVOY_NATIVE_YAML", "ENVOY_YAML", "FLEET", "NATIVE", "ROOT", "SIDECAR", "TOKENIZER", "TOKENIZER_DIR", "WASM",
     "Processes", "end_children", "free_port", "ready_or_stop", "stop_process", "wait_for", "wait_http_ok",
     "MockEngine", "Sidecar", "Tokenizer", "reset_fleet", "start_fleet",

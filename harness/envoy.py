@@ -249,11 +249,15 @@ class Envoy(Service):
 
 
 def wait_synced(envoy, sidecar):
-    """Until the filters route on the sidecar's current feed version. A fleet whose engines
-    never sent an event is at version 0, which the gauge reads before any poll: the index
-    must also be live (a feed answer applied), or a load started at once found no worker
-    table for its first ~100 ms (measured: 58-62 requests routed without one, and zipf_busy
-    on the token path collapsed for the run's first line)."""
-    v = sidecar.json("/v1/admin/workers")[1]["version"]
+    """Until the filters route on the sidecar's current feed version."""
+    wait_at_version(envoy, sidecar.json("/v1/admin/workers")[1]["version"])
+
+
+def wait_at_version(envoy, v):
+    """Until the sync service has applied feed version `v`. A feed whose engines never sent
+    an event is at version 0, which the gauge reads before any poll: the index must also be
+    live (a feed answer applied), or a load started at once found no worker table for its
+    first ~100 ms (measured: 58-62 requests routed without one, and zipf_busy on the token
+    path collapsed for the run's first line)."""
     wait_for(lambda: envoy.stat("kvroute_sync.index_live") == 1 and envoy.stat("kvroute_sync.version") >= v,
              what=f"envoy live at feed version {v}")

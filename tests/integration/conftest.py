@@ -6,7 +6,7 @@ import pytest
 
 # The processes these tests run are shared with the demo and the benchmarks: harness/.
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
-from harness import BUILDS, Envoy, render_config, wait_for  # noqa: E402
+from harness import BUILDS, Envoy, render_config, wait_at_version, wait_for  # noqa: E402
 from harness.kvfeed import FeedServer, FeedState  # noqa: E402
 from upstream import Worker  # noqa: E402
 
@@ -33,8 +33,7 @@ class Setup:
 
     def wait_synced(self):
         """Until the sync service has applied the feed's current version."""
-        v = self.state.version
-        wait_for(lambda: self.envoy.stat("kvroute_sync.version") >= v, what=f"feed version {v}")
+        wait_at_version(self.envoy, self.state.version)
 
     def by_id(self, wid):
         return next(w for w in self.workers if w.id == wid)
