@@ -77,6 +77,7 @@ fn ranking(c: &mut Criterion) {
             wait_slack_per_hit: Some(0.5),
             idle_wait_slack_per_hit: Some(0.45),
             wait_slack_backlog: Some(1.0),
+            wait_slack_own_cap: Some(8.0),
             holder_tie_per_hit: Some(0.25),
             holder_tie_load_slack: None,
         };

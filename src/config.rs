@@ -166,6 +166,7 @@ struct RawFilterConfig {
     wait_slack_per_hit: Option<f64>,
     idle_wait_slack_per_hit: Option<f64>,
     wait_slack_backlog: Option<f64>,
+    wait_slack_own_cap: Option<f64>,
     holder_tie_per_hit: Option<f64>,
     holder_tie_load_slack: Option<f64>,
     kv_capacity_blocks: Option<KvCapacity>,
@@ -203,10 +204,11 @@ impl Default for RawFilterConfig {
             offload_hit_credit: DEFAULT_OFFLOAD_HIT_CREDIT,
             active_blocks: ActiveBlocks::Potential,
             prefill_load_weight: DEFAULT_PREFILL_LOAD_WEIGHT,
-            prefill_drain: false,
+            prefill_drain: DEFAULT_PREFILL_DRAIN,
             wait_slack_per_hit: Some(DEFAULT_WAIT_SLACK_PER_HIT),
             idle_wait_slack_per_hit: Some(DEFAULT_IDLE_WAIT_SLACK_PER_HIT),
             wait_slack_backlog: Some(DEFAULT_WAIT_SLACK_BACKLOG),
+            wait_slack_own_cap: Some(DEFAULT_WAIT_SLACK_OWN_CAP),
             holder_tie_per_hit: Some(DEFAULT_HOLDER_TIE_PER_HIT),
             holder_tie_load_slack: None,
             kv_capacity_blocks: Some(KvCapacity::Learned),
@@ -293,6 +295,11 @@ pub struct FilterConfig {
     /// the quickest worker has outstanding. `None`: α stays. No effect without
     /// `wait_slack_per_hit`.
     pub wait_slack_backlog: Option<f64>,
+    /// The wait limit's cap for a request with much of its own to prefill
+    /// ([`crate::score`]): while some worker is idle, a hit buys at most this many blocks ÷
+    /// the request's own uncached blocks on the worker. `None`: no cap. No effect without
+    /// `wait_slack_per_hit`.
+    pub wait_slack_own_cap: Option<f64>,
     /// The holder tie ([`crate::score`]): the blocks of extra cost each extra cache hit may
     /// buy when the request would start its prefill no later on the holder. `None`: no tie.
     pub holder_tie_per_hit: Option<f64>,
@@ -319,6 +326,10 @@ pub const DEFAULT_OFFLOAD_HIT_CREDIT: f64 = 0.5;
 /// Chosen by the routing-quality benchmark (docs/benchmarks.md).
 pub const DEFAULT_PREFILL_LOAD_WEIGHT: f64 = 1.0;
 
+/// Chosen by the head-to-head benchmark (docs/benchmarks.md, "The prefill drain"): with
+/// the own cap, 2.4 more hit points on a hot prefix and no longer a tail; level elsewhere.
+pub const DEFAULT_PREFILL_DRAIN: bool = true;
+
 /// Chosen by the head-to-head benchmark (docs/benchmarks.md, "The wait limit").
 pub const DEFAULT_WAIT_SLACK_PER_HIT: f64 = 0.5;
 
@@ -332,6 +343,12 @@ pub const DEFAULT_IDLE_WAIT_SLACK_PER_HIT: f64 = 0.45;
 /// backlog"): at a fixed α the fleet's zipf_busy and the mocker's zipf_hot, past capacity,
 /// copied their hot prefix into other queues, each copy prefill the others waited behind.
 pub const DEFAULT_WAIT_SLACK_BACKLOG: f64 = 1.0;
+
+/// Chosen by the head-to-head benchmark (docs/benchmarks.md, "The own cap"): with the
+/// queue drained at its rate, α let zipf_hot's 64-block questions wait behind their
+/// prefix's cold prefill while a worker was idle; 8 caps them at 16 blocks over 128 hits
+/// and leaves bursts' 4-block questions (2 a hit) and agent steps' ~18 (0.44) at α.
+pub const DEFAULT_WAIT_SLACK_OWN_CAP: f64 = 8.0;
 
 /// Chosen by the head-to-head benchmark (docs/benchmarks.md, "Cache keys").
 pub const DEFAULT_CACHE_KEY_SPREAD: f64 = 2.0;
@@ -387,6 +404,7 @@ impl FilterConfig {
         let idle_wait_slack_per_hit =
             raw.idle_wait_slack_per_hit.map(|v| weight("idle_wait_slack_per_hit", v)).transpose()?;
         let wait_slack_backlog = raw.wait_slack_backlog.map(|v| weight("wait_slack_backlog", v)).transpose()?;
+        let wait_slack_own_cap = raw.wait_slack_own_cap.map(|v| weight("wait_slack_own_cap", v)).transpose()?;
         let holder_tie_per_hit = raw.holder_tie_per_hit.map(|v| weight("holder_tie_per_hit", v)).transpose()?;
         let holder_tie_load_slack =
             raw.holder_tie_load_slack.map(|v| weight("holder_tie_load_slack", v)).transpose()?;
@@ -472,6 +490,7 @@ impl FilterConfig {
             wait_slack_per_hit,
             idle_wait_slack_per_hit,
             wait_slack_backlog,
+            wait_slack_own_cap,
             holder_tie_per_hit,
             holder_tie_load_slack,
             kv_capacity_blocks: raw.kv_capacity_blocks.unwrap_or(KvCapacity::Off),
@@ -635,7 +654,9 @@ mod tests {
         assert_eq!(c.prefill_overlap_weight, 1.0);
         assert_eq!(c.mode, Mode::Aggregated);
         assert_eq!((c.active_blocks, c.prefill_load_weight), (ActiveBlocks::Potential, DEFAULT_PREFILL_LOAD_WEIGHT));
-        assert!(!c.prefill_drain, "measured: more hits on a hot prefix for a longer tail (docs/benchmarks.md)");
+        assert!(c.prefill_drain && c.wait_slack_own_cap == Some(DEFAULT_WAIT_SLACK_OWN_CAP));
+        let charged = FilterConfig::from_json(br#"{"prefill_drain": false, "wait_slack_own_cap": null}"#).unwrap();
+        assert_eq!((charged.prefill_drain, charged.wait_slack_own_cap), (false, None));
         assert_eq!(FilterConfig::from_json(b"{}").unwrap(), c);
         let literal = FilterConfig::from_json(br#"{"active_blocks": "in_flight", "prefill_load_weight": 0}"#).unwrap();
         assert_eq!((literal.active_blocks, literal.prefill_load_weight), (ActiveBlocks::InFlight, 0.0));
@@ -713,6 +734,7 @@ mod tests {
             (r#"{"wait_slack_per_hit": -0.5}"#, "wait_slack_per_hit"),
             (r#"{"idle_wait_slack_per_hit": -0.5}"#, "idle_wait_slack_per_hit"),
             (r#"{"wait_slack_backlog": 1e7}"#, "wait_slack_backlog"),
+            (r#"{"wait_slack_own_cap": -8}"#, "wait_slack_own_cap"),
             (r#"{"wait_slack_per_hit": "some"}"#, "`wait_slack_per_hit`: invalid type"),
             (r#"{"holder_tie_per_hit": -1}"#, "holder_tie_per_hit"),
             (r#"{"holder_tie_per_hit": "yes"}"#, "`holder_tie_per_hit`: invalid type"),

@@ -759,6 +759,7 @@ impl Router {
             wait_slack_per_hit: self.cfg.wait_slack_per_hit.filter(|_| prefills),
             idle_wait_slack_per_hit: self.cfg.idle_wait_slack_per_hit.filter(|_| prefills),
             wait_slack_backlog: self.cfg.wait_slack_backlog.filter(|_| prefills),
+            wait_slack_own_cap: self.cfg.wait_slack_own_cap.filter(|_| prefills),
             holder_tie_per_hit: self.cfg.holder_tie_per_hit.filter(|_| prefills),
             holder_tie_load_slack: self.cfg.holder_tie_load_slack.filter(|_| prefills),
         };

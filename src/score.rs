@@ -34,6 +34,13 @@
 //! outstanding ÷ the request's blocks). In a backlog a spilled request starts no sooner than
 //! the quickest queue lets it, and the prefix it copies is prefill every later request there
 //! waits behind: a fleet past its capacity serves fewer requests per block computed twice.
+//! The own cap (`wait_slack_own_cap`, c, 8): while some worker is idle, α is at most c ÷
+//! the request's own uncached blocks on the worker. A request kept on a busy holder adds
+//! its own prefill to the queue every later request of its prefix waits behind there,
+//! while its copy on the idle worker delays no one: a long question over a shared prefix
+//! (64 own blocks over 128 held: 0.125 a hit) buys less waiting than a burst's short ones
+//! (4 over 128), which keep α. With every worker busy a copy lands in another queue, and
+//! the slack is uncapped, grown by the backlog.
 //!
 //! The memory limit (`kv_capacity_blocks`; by default each engine's capacity as learned
 //! from its evictions): a worker whose in-flight requests would hold more distinct blocks
@@ -145,6 +152,9 @@ pub struct Weights {
     /// much per request's worth of prefill the quickest worker has outstanding. `None`: α
     /// stays.
     pub wait_slack_backlog: Option<f64>,
+    /// c of the wait limit's own cap (module docs): while some worker is idle, a hit buys
+    /// at most c ÷ the request's own uncached blocks on the worker. `None`: no cap.
+    pub wait_slack_own_cap: Option<f64>,
     /// τ of the holder tie (module docs); `None`: no tie.
     pub holder_tie_per_hit: Option<f64>,
     /// k of the holder tie (module docs), in the request's blocks; `None`: the cost test
@@ -233,6 +243,14 @@ pub fn rank(
             (_, Some(beta)) if request_blocks > 0 => a * (1.0 + beta * f64::from(backlog) / f64::from(request_blocks)),
             _ => a,
         });
+    // The own cap, while some worker is idle (a copy there delays no one).
+    let own_cap = weights.wait_slack_own_cap.filter(|_| backlog == 0);
+    let slack_per_hit = |c: &Candidate| {
+        slack.map(|per_hit| match own_cap {
+            Some(cap) if c.own_prefill > 0 => per_hit.min(cap / f64::from(c.own_prefill)),
+            _ => per_hit,
+        })
+    };
     // The memory limit applies while some worker has room for the request.
     let fits = |s: &Scored| s.candidate.kv_capacity_blocks.is_none_or(|cap| s.candidate.memory_blocks <= cap);
     let room = out.iter().any(fits);
@@ -240,8 +258,9 @@ pub fn rank(
     let admissible = |s: &Scored| {
         let c = &s.candidate;
         !overfills(s)
-            && slack.is_none_or(|alpha| {
-                f64::from(c.wait) <= f64::from(least.max(c.own_prefill)) + alpha * c.effective_hits(offload_hit_credit)
+            && slack_per_hit(c).is_none_or(|per_hit| {
+                f64::from(c.wait)
+                    <= f64::from(least.max(c.own_prefill)) + per_hit * c.effective_hits(offload_hit_credit)
             })
     };
     let mut outcome = RankOutcome::default();
@@ -313,6 +332,7 @@ mod tests {
             wait_slack_per_hit: None,
             idle_wait_slack_per_hit: None,
             wait_slack_backlog: None,
+            wait_slack_own_cap: None,
             holder_tie_per_hit: None,
             holder_tie_load_slack: None,
         }
@@ -493,9 +513,15 @@ mod tests {
             wait_slack_per_hit: Some(DEFAULT_WAIT_SLACK_PER_HIT),
             idle_wait_slack_per_hit: Some(DEFAULT_IDLE_WAIT_SLACK_PER_HIT),
             wait_slack_backlog: Some(DEFAULT_WAIT_SLACK_BACKLOG),
+            wait_slack_own_cap: Some(DEFAULT_WAIT_SLACK_OWN_CAP),
             holder_tie_per_hit: Some(DEFAULT_HOLDER_TIE_PER_HIT),
             holder_tie_load_slack: None,
         }
+    }
+
+    /// The shipped weights without the own cap: what α alone does.
+    fn uncapped() -> Weights {
+        Weights { wait_slack_own_cap: None, ..shipped() }
     }
 
     /// Two requests of a new prefix close together: the first is prefilling its whole
@@ -512,17 +538,18 @@ mod tests {
         let idle = Candidate { wait: 192, own_prefill: 192, pending_prefill: 192, ..cand(0, 0, 192) };
         let sibling = Candidate { wait: 256, own_prefill: 64, pending_prefill: 128, ..cand(1, 128, 256) };
         let mut out = Vec::new();
-        let r = rank(&[idle, sibling], shipped(), 192, 0, &mut out);
+        let r = rank(&[idle, sibling], uncapped(), 192, 0, &mut out);
         assert_eq!((out[0].candidate.slot, out[0].cost, out[1].cost), (0, 576.0, 448.0));
         assert!(r.spilled, "the sibling's worker costs 448 against 576, but its wait is beyond the limit");
         assert!(
-            !rank(&[idle, sibling], Weights { idle_wait_slack_per_hit: None, ..shipped() }, 192, 0, &mut out).spilled
+            !rank(&[idle, sibling], Weights { idle_wait_slack_per_hit: None, ..uncapped() }, 192, 0, &mut out).spilled
         );
         // The other worker busy too: 8 blocks outstanding there, so the request would not
         // start at once anywhere; 256 ≤ 200 + 0.5 × 128.
         let busy = Candidate { wait: 200, pending_prefill: 200, ..idle };
-        assert!(!rank(&[busy, sibling], shipped(), 192, 0, &mut out).spilled);
+        assert!(!rank(&[busy, sibling], uncapped(), 192, 0, &mut out).spilled);
         assert_eq!(out[0].candidate.slot, 1);
+        assert!(!rank(&[busy, sibling], shipped(), 192, 0, &mut out).spilled, "no idle worker: no own cap");
         // The burst: the 12th request of 132 blocks (128 shared) behind the first's prefill
         // and ten siblings' 4-block questions.
         let idle = Candidate { wait: 132, own_prefill: 132, pending_prefill: 132, ..cand(0, 0, 132) };
@@ -562,6 +589,36 @@ mod tests {
         assert!(rank(&[idle, near], flat, 192, 0, &mut out).spilled);
     }
 
+    /// The own cap (the shipped c = 8): with a worker idle, a hit buys at most 8 ÷ the
+    /// request's own blocks. A 64-block question over 128 held blocks, 30 blocks beyond the
+    /// idle worker's wait (within 0.45 × 128 = 57.6), gets 8 ÷ 64 × 128 = 16 and is passed
+    /// over; a burst sibling's 4-block question behind 44 blocks more keeps 0.45 a hit (8 ÷ 4
+    /// is more). With no worker idle, or nothing of its own to prefill, the slack is α's.
+    #[test]
+    fn the_own_cap_shrinks_the_slack_of_a_long_question_while_a_worker_is_idle() {
+        let capped = shipped();
+        assert_eq!(capped.wait_slack_own_cap, Some(8.0));
+        let mut out = Vec::new();
+        let idle = Candidate { wait: 192, own_prefill: 192, pending_prefill: 192, ..cand(0, 0, 192) };
+        let holder = |wait: u32| Candidate { wait, own_prefill: 64, pending_prefill: wait, ..cand(1, 128, 100) };
+        assert!(!rank(&[idle, holder(222)], uncapped(), 192, 0, &mut out).spilled);
+        assert!(rank(&[idle, holder(222)], capped, 192, 0, &mut out).spilled);
+        assert_eq!(out[0].candidate.slot, 0);
+        // 10 beyond, within 16.
+        assert!(!rank(&[idle, holder(202)], capped, 192, 0, &mut out).spilled);
+        assert_eq!(out[0].candidate.slot, 1);
+        let idle132 = Candidate { wait: 132, own_prefill: 132, pending_prefill: 132, ..cand(0, 0, 132) };
+        let sibling = Candidate { wait: 132 + 40 + 4, own_prefill: 4, pending_prefill: 48, ..cand(1, 128, 176) };
+        assert!(!rank(&[idle132, sibling], capped, 132, 0, &mut out).spilled);
+        assert_eq!(out[0].candidate.slot, 1);
+        // The other worker busy (8 blocks queued): α 0.5 grown by 8 ÷ 192, uncapped.
+        let busy = Candidate { wait: 200, pending_prefill: 200, ..idle };
+        assert!(!rank(&[busy, holder(230)], capped, 192, 0, &mut out).spilled);
+        // Everything held: nothing of its own to prefill, α as without the cap.
+        let whole = Candidate { wait: 192 + 50, own_prefill: 0, pending_prefill: 242, ..cand(1, 192, 100) };
+        assert!(!rank(&[idle, whole], capped, 192, 0, &mut out).spilled);
+    }
+
     #[test]
     fn the_holder_tie_keeps_a_prefix_on_its_holder_at_equal_waits() {
         let mut out = Vec::new();
@@ -588,7 +645,7 @@ mod tests {
         let idle = Candidate { wait: 192, own_prefill: 192, pending_prefill: 192, ..cand(0, 0, 192) };
         let holder = Candidate { wait: 256, own_prefill: 64, pending_prefill: 256, ..cand(1, 128, 384) };
         let mut out = Vec::new();
-        let a05 = Weights { idle_wait_slack_per_hit: None, ..shipped() };
+        let a05 = Weights { idle_wait_slack_per_hit: None, ..uncapped() };
         // The cost test alone: the cost decides.
         assert!(!rank(&[idle, holder], a05, 192, 0, &mut out).kept_on_holder);
         assert_eq!((out[0].candidate.slot, out[0].cost, out[1].cost), (0, 576.0, 704.0));

@@ -22,6 +22,7 @@ pub fn check(data: &[u8]) {
             .chain(c.wait_slack_per_hit)
             .chain(c.idle_wait_slack_per_hit)
             .chain(c.wait_slack_backlog)
+            .chain(c.wait_slack_own_cap)
             .chain(c.holder_tie_per_hit)
             .chain(c.holder_tie_load_slack)
         {

@@ -225,9 +225,12 @@ fn the_wait_limit_spills_a_burst_once_its_queue_outweighs_the_prefix() {
     // queue: the k-th waits for 32 + 2k blocks there, against 32 on an idle worker. At
     // α = 0.5 the prefix's 30 hits buy 15 blocks of queue: the 8th sibling (48 > 47) goes
     // elsewhere, and its decision says so. (One α throughout: the shipped limit is 0.45
-    // while a worker is idle, as here, and passes over the 7th.)
+    // while a worker is idle, as here, and passes over the 7th. The queue as charged: these
+    // decisions are a millisecond apart, and the drain would read the first prefill's end
+    // at 20 ms as a rate that empties the other queues.)
     let (store, _) = fleet(8, vec![]);
-    let mut r = Router::new(cfg(r#"{"wait_slack_per_hit": 0.5, "idle_wait_slack_per_hit": null}"#));
+    let mut r =
+        Router::new(cfg(r#"{"wait_slack_per_hit": 0.5, "idle_wait_slack_per_hit": null, "prefill_drain": false}"#));
     let mut places = Vec::new();
     let mut spilled = Vec::new();
     let mut held = Vec::new();
@@ -532,14 +535,16 @@ fn outstanding_prefill_ends_at_the_first_response_bytes_or_the_stream_end() {
 fn queued_prefill_counts_against_a_worker_until_its_first_bytes() {
     // Two idle workers. Request X goes to one and has started answering; Y then goes to
     // the other and is still prefilling. Both carry 40 blocks; the next requests, sharing
-    // nothing, go where no prefill is queued — with the term off, the two tie.
+    // nothing, go where no prefill is queued — with the term off, the two tie. (As charged:
+    // the drain would read X's end 1 ms after its start as a rate that has emptied Y's.)
     let mut places = std::collections::BTreeSet::new();
     for (weight, spread) in [(1.0, false), (0.0, true)] {
         let mut seen = std::collections::BTreeSet::new();
         for z in 0..16u32 {
             let (store, _) = fleet(2, vec![]);
-            let mut r =
-                Router::new(cfg(&format!(r#"{{"prefill_load_weight": {weight}, "wait_slack_per_hit": null}}"#)));
+            let mut r = Router::new(cfg(&format!(
+                r#"{{"prefill_load_weight": {weight}, "wait_slack_per_hit": null, "prefill_drain": false}}"#
+            )));
             let mut x = route(&mut r, &store, &prompt(1, 40 * 16), 0);
             r.end_prefill(&store, &mut x.held, 1);
             let y = route(&mut r, &store, &prompt(2, 40 * 16), 2);
