@@ -257,6 +257,15 @@ struct KeyRead {
     counts: Option<(KeyLoad, Option<Versioned>)>,
 }
 
+/// A request's implicit key ([`crate::cachekey`], "Implicit keys").
+struct ImplicitKey {
+    hash: u64,
+    /// The request continues its conversation: some worker holds it past the anchor.
+    continues: bool,
+    /// The request's blocks past the anchor.
+    own_blocks: u32,
+}
+
 struct ScannedBucket {
     value: Option<Vec<u8>>,
     cas: Option<u32>,
@@ -404,7 +413,8 @@ impl Router {
         self.cached = None;
         // A cache key: read when keys are on; a new one is charged per key on each worker,
         // but for an implicit key found continuing its conversation (its first step went
-        // unkeyed, before the anchor was known: it stays by the plain cost).
+        // unkeyed, before the anchor was known): it stays by the plain cost unless
+        // `implicit_key_charge_continuations` spreads such conversations now.
         let implicit = match (cache_key, self.cfg.cache_key_spread) {
             (None, Some(_)) if self.cfg.implicit_cache_keys => {
                 self.implicit_key(store, hashes, &scan, &scanned, now_ms, d)
@@ -412,9 +422,15 @@ impl Router {
             _ => None,
         };
         d.implicit_cache_key = implicit.is_some();
-        let (cache_key, charge_if_new) = match implicit {
-            Some((hash, continues)) => (Some(hash), !continues),
-            None => (cache_key, true),
+        // The blocks a new key is charged for, per key live on a worker: a new
+        // conversation's whole prompt; a continuation's own blocks past the anchor, which is
+        // what it leaves behind when it moves to another worker holding the anchor.
+        let (cache_key, charge_if_new, charged_blocks) = match implicit {
+            Some(ImplicitKey { hash, continues: false, .. }) => (Some(hash), true, d.request_blocks),
+            Some(ImplicitKey { hash, continues: true, own_blocks }) => {
+                (Some(hash), self.cfg.implicit_key_charge_continuations, own_blocks)
+            }
+            None => (cache_key, true, d.request_blocks),
         };
         let key = match (cache_key, self.cfg.cache_key_spread) {
             (Some(hash), Some(spread)) => Some((self.read_key(store, hash, charge_if_new, now_ms, d), spread)),
@@ -422,7 +438,7 @@ impl Router {
         };
         let live_epoch = key_epoch(now_ms, self.cfg.cache_key_live_ms);
         let key_charge = key.as_ref().and_then(|(k, spread)| {
-            k.counts.as_ref().map(|(counts, _)| (spread * f64::from(d.request_blocks), counts, live_epoch))
+            k.counts.as_ref().map(|(counts, _)| (spread * f64::from(charged_blocks), counts, live_epoch))
         });
         d.new_cache_key = key_charge.is_some();
         let request = Request {
@@ -593,7 +609,7 @@ impl Router {
         scanned: &[ScannedBucket],
         now_ms: u64,
         d: &mut Decision,
-    ) -> Option<(u64, bool)> {
+    ) -> Option<ImplicitKey> {
         const CONFIRMED: u16 = u16::MAX;
         // The anchor: the deepest prefix two or more streams have in flight on one worker
         // (one stream may be this conversation's previous step, not yet released).
@@ -608,8 +624,9 @@ impl Router {
         let window = self.cfg.cache_key_window_ms;
         let (marked, read) = read_entry(store, ANCHORS_KEY, anchor, d);
         let marked = marked.filter(|e| now_ms.saturating_sub(e.seen_ms) <= window);
+        let implicit = ImplicitKey { hash: key, continues, own_blocks: (hashes.len() - depth) as u32 };
         if !continues {
-            return marked.is_some_and(|e| e.slot == CONFIRMED).then_some((key, false));
+            return marked.is_some_and(|e| e.slot == CONFIRMED).then_some(implicit);
         }
         let mine = (key as u16).min(CONFIRMED - 1);
         let mark = match marked {
@@ -625,7 +642,7 @@ impl Router {
                 d.layout_errors += u32::from(matches!(e, UpdateError::Rejected(_)));
             }
         }
-        (mark == CONFIRMED).then_some((key, true))
+        (mark == CONFIRMED).then_some(implicit)
     }
 
     /// The request's cache key: its entry and, for a key not seen within the window, the

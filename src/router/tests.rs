@@ -802,6 +802,39 @@ fn a_shared_prefix_seen_continued_gives_new_conversations_implicit_keys() {
 }
 
 #[test]
+fn conversations_that_all_started_before_any_came_back_are_spread_when_they_do_if_asked() {
+    // Six agents start on the system prompt's holder before any step comes back: nothing
+    // yet says the prompt grows conversations.
+    let system = agent_prompt(0, 0);
+    let run = |json: &str| {
+        let (store, _) = fleet(4, vec![Op::Store { worker: 2, blocks: feed_blocks(&system) }]);
+        let mut r = Router::new(cfg(json));
+        let firsts: Vec<_> =
+            (1..=6).map(|a| route_keyed(&mut r, &store, &agent_prompt(a, 1), None, a as u64)).collect();
+        assert!(firsts.iter().all(|d| d.destinations[0] == "10.0.0.2:8000" && !d.implicit_cache_key));
+        // Then their second steps, each sent once its first step ended, the others' still
+        // in flight (the prompt's anchor).
+        let mut seconds = Vec::new();
+        for (a, first) in (1..=6).zip(&firsts) {
+            r.release(&store, &first.held, 100 + a as u64);
+            seconds.push(route_keyed(&mut r, &store, &agent_prompt(a, 2), None, 110 + a as u64));
+        }
+        seconds
+    };
+    // By default every continuation stays with its history on the holder.
+    let stay = run("{}");
+    assert!(stay.iter().all(|d| d.destinations[0] == "10.0.0.2:8000"), "{stay:?}");
+    assert!(stay[1..].iter().all(|d| d.implicit_cache_key && !d.new_cache_key));
+    // Charged as new keys, the continuations after the anchor is confirmed pay their two
+    // own blocks for each key already on a worker: once the holder has keys they leave
+    // their one block of history there for the idle workers.
+    let spread = run(r#"{"implicit_key_charge_continuations": true}"#);
+    assert!(spread[1..].iter().all(|d| d.implicit_cache_key && d.new_cache_key), "{spread:?}");
+    let on: std::collections::BTreeSet<&str> = spread.iter().map(|d| d.destinations[0].as_str()).collect();
+    assert!(on.len() >= 3, "{on:?}");
+}
+
+#[test]
 fn cache_keys_cost_no_reads_when_off_and_bad_key_values_are_counted() {
     let p = agent_prompt(1, 1);
     let mut off = Router::new(cfg(r#"{"cache_key_spread": null}"#));
