@@ -21,9 +21,11 @@
 //! anchor there is a later step of a conversation that started at the anchor, and marks
 //! the anchor conversational. A request that leaves a conversational anchor (or runs past
 //! it) gets the implicit key [`implicit_key`] of its first block past it, and is placed as
-//! a keyed request: new conversations apart, later steps by the plain cost. Requests that
-//! only share a prefix and end there (siblings over one document, a burst) never mark it,
-//! so they are placed as before.
+//! a keyed request: new conversations apart, later steps by the plain cost (with
+//! `implicit_key_charge_continuations`, a later step whose key is new is charged too, at
+//! its own blocks past the anchor: conversations that all began before the anchor was
+//! known are spread when they come back). Requests that only share a prefix and end there
+//! (siblings over one document, a burst) never mark it, so they are placed as before.
 //!
 //! Shared-data values, all written with compare-and-swap by the filters:
 //! - `kvroute.k.{0..64}`: where each key's requests went last and when
