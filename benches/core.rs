@@ -9,7 +9,7 @@ use kvroute::hash::block_hashes_le;
 use kvroute::index::{publish, SyncIndex};
 use kvroute::role::Role;
 use kvroute::router::{Router, TokenSource};
-use kvroute::score::{rank, worker_key, Candidate, Weights};
+use kvroute::score::{rank, worker_key, Candidate};
 use kvroute::store::MemStore;
 use kvroute::tokens::{decode_tokens, encode_base64, encode_decimal, TokenEncoding};
 
@@ -70,17 +70,8 @@ fn ranking(c: &mut Criterion) {
             })
             .collect();
         let mut out = Vec::new();
-        let weights = Weights {
-            overlap: 1.0,
-            prefill_load: 1.0,
-            offload_hit_credit: 0.5,
-            wait_slack_per_hit: Some(0.5),
-            idle_wait_slack_per_hit: Some(0.45),
-            wait_slack_backlog: Some(1.0),
-            wait_slack_own_cap: Some(8.0),
-            holder_tie_per_hit: Some(0.25),
-            holder_tie_load_slack: None,
-        };
+        // The shipped weights, so the bench measures what ships.
+        let weights = FilterConfig::from_json(b"{}").expect("the defaults load").weights(1.0, true);
         g.bench_with_input(BenchmarkId::new("workers", workers), &cands, |b, cands| {
             b.iter(|| rank(black_box(cands), weights, 128, 42, &mut out))
         });

@@ -7,6 +7,7 @@
 
 use crate::hash::DEFAULT_BLOCK_SIZE;
 use crate::layout::DEFAULT_BUCKETS;
+use crate::score::Weights;
 use serde::Deserialize;
 use std::fmt;
 
@@ -512,6 +513,24 @@ impl FilterConfig {
             tie_break: raw.tie_break,
             peer_load: raw.peer_load,
         })
+    }
+
+    /// The cost's weights for one ranking: `overlap` is the mode's overlap weight, and
+    /// `prefills` whether the chosen worker computes the prefill. The wait terms apply only
+    /// where it does: a PD decode worker waits for none.
+    pub fn weights(&self, overlap: f64, prefills: bool) -> Weights {
+        let wait = |v: Option<f64>| v.filter(|_| prefills);
+        Weights {
+            overlap,
+            prefill_load: self.prefill_load_weight,
+            offload_hit_credit: self.offload_hit_credit,
+            wait_slack_per_hit: wait(self.wait_slack_per_hit),
+            idle_wait_slack_per_hit: wait(self.idle_wait_slack_per_hit),
+            wait_slack_backlog: wait(self.wait_slack_backlog),
+            wait_slack_own_cap: wait(self.wait_slack_own_cap),
+            holder_tie_per_hit: wait(self.holder_tie_per_hit),
+            holder_tie_load_slack: wait(self.holder_tie_load_slack),
+        }
     }
 
     /// Every request header the filter owns: removed from client requests before routing,

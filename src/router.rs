@@ -16,7 +16,7 @@ use crate::layout::{
 use crate::peerload::{PeerLoad, PEERLOAD_KEY};
 use crate::role::Role;
 use crate::scan::{scan_segment, Scan};
-use crate::score::{rank, tied_at_top, worker_key, Candidate, RankOutcome, Scored, Weights};
+use crate::score::{rank, tied_at_top, worker_key, Candidate, RankOutcome, Scored};
 use crate::slots::{SlotSet, MAX_SLOTS};
 use crate::store::{update, update_tries, Edit, SharedStore, UpdateError, Versioned, CAS_ATTEMPTS};
 use crate::tokens::{decode_tokens, TokenEncoding, TokenError};
@@ -767,19 +767,7 @@ impl Router {
                 },
             });
         }
-        let weights = Weights {
-            overlap: weight,
-            prefill_load: self.cfg.prefill_load_weight,
-            offload_hit_credit: self.cfg.offload_hit_credit,
-            // Only where the chosen worker computes the prefill: a PD decode worker waits
-            // for none.
-            wait_slack_per_hit: self.cfg.wait_slack_per_hit.filter(|_| prefills),
-            idle_wait_slack_per_hit: self.cfg.idle_wait_slack_per_hit.filter(|_| prefills),
-            wait_slack_backlog: self.cfg.wait_slack_backlog.filter(|_| prefills),
-            wait_slack_own_cap: self.cfg.wait_slack_own_cap.filter(|_| prefills),
-            holder_tie_per_hit: self.cfg.holder_tie_per_hit.filter(|_| prefills),
-            holder_tie_load_slack: self.cfg.holder_tie_load_slack.filter(|_| prefills),
-        };
+        let weights = self.cfg.weights(weight, prefills);
         let mut outcome = rank(&self.candidates, weights, request_blocks, r.key, &mut self.scored);
         // Only a new prefix is placed by the counts. One that a busy worker holds spills by
         // the hash: its later spills then agree on one second worker, where the emptiest

@@ -505,18 +505,7 @@ mod tests {
     }
 
     fn shipped() -> Weights {
-        use crate::config::*;
-        Weights {
-            overlap: 1.0,
-            prefill_load: DEFAULT_PREFILL_LOAD_WEIGHT,
-            offload_hit_credit: DEFAULT_OFFLOAD_HIT_CREDIT,
-            wait_slack_per_hit: Some(DEFAULT_WAIT_SLACK_PER_HIT),
-            idle_wait_slack_per_hit: Some(DEFAULT_IDLE_WAIT_SLACK_PER_HIT),
-            wait_slack_backlog: Some(DEFAULT_WAIT_SLACK_BACKLOG),
-            wait_slack_own_cap: Some(DEFAULT_WAIT_SLACK_OWN_CAP),
-            holder_tie_per_hit: Some(DEFAULT_HOLDER_TIE_PER_HIT),
-            holder_tie_load_slack: None,
-        }
+        crate::config::FilterConfig::from_json(b"{}").expect("the defaults load").weights(1.0, true)
     }
 
     /// The shipped weights without the own cap: what α alone does.
