@@ -270,35 +270,46 @@ class Fleet:
 
 
 class EngineInflight:
-    """Requests in flight at each mocker engine, read from its frontend's
-    `dynamo_frontend_inflight_requests` every `every_s` seconds while a line runs: where a
-    router put its requests when the mocker's answers do not name the engine (--keep-samples
-    only; `benches/session_steps.py` prints it)."""
+    """Requests in flight at each mocker engine, and the requests it has started, read from
+    its frontend's `dynamo_frontend_inflight_requests` and
+    `dynamo_component_router_requests_started_total` every `every_s` seconds while a line
+    runs: where a router put its requests when the mocker's answers do not name the engine
+    (--keep-samples only; `benches/session_steps.py` prints the first, and from the second
+    tells which conversations shared an engine)."""
 
-    def __init__(self, engines, every_s=1.0):
+    def __init__(self, engines, every_s=0.5):
         self.engines, self.every_s = engines, every_s
-        self.t0, self.rows, self.failed = time.time(), [], 0
+        self.t0, self.rows, self.failed, self.load_started = time.time(), [], 0, None
         self.done = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
     def _run(self):
         while not self.done.wait(self.every_s):
-            row = []
+            inflight, started = [], []
             for e in self.engines:
                 try:
-                    row.append(int(e.metrics().get("dynamo_frontend_inflight_requests", 0)))
+                    m = e.metrics()
+                    inflight.append(int(m.get("dynamo_frontend_inflight_requests", 0)))
+                    started.append(int(m.get("dynamo_component_router_requests_started_total", 0)))
                 except OSError:
-                    row.append(None)
+                    inflight.append(None)
+                    started.append(None)
                     self.failed += 1
-            self.rows.append([round(time.time() - self.t0, 2), row])
+            self.rows.append([round(time.time() - self.t0, 3), inflight, started])
+
+    def load_starts(self):
+        """Marks the load generator's launch; its samples' clock starts some tenths of a second
+        later, once it has read its tokenizer (session_steps.py finds the lag)."""
+        self.load_started = round(time.time() - self.t0, 3)
 
     def stop(self):
-        """{"engines", "every_s", "samples": [[t_s, [in flight per engine]]], "failed_reads"}."""
+        """{"engines", "every_s", "load_started_s", "samples": [[t_s, [in flight per engine],
+        [requests started per engine]]], "failed_reads"}."""
         self.done.set()
         self.thread.join()
-        return {"engines": [e.id for e in self.engines], "every_s": self.every_s, "samples": self.rows,
-                "failed_reads": self.failed}
+        return {"engines": [e.id for e in self.engines], "every_s": self.every_s, "load_started_s": self.load_started,
+                "samples": self.rows, "failed_reads": self.failed}
 
 
 def drive(args, target, label, wname, wargs, engines, out):
@@ -580,6 +591,8 @@ def run_line(args, procs, fleet, port, line, wname, wargs, settings, out):
     try:
         cpu0 = [cpu_by_process(p) for p in metered]
         t0 = time.time()
+        if sampler:
+            sampler.load_starts()
         r, samples = drive(args, f"127.0.0.1:{port}", label, wname, wargs, engines, out)
     finally:
         if burner:

@@ -3,8 +3,8 @@
 the per-request samples `peers.py --keep-samples` kept; for a line whose samples name the
 engine (the fleet's engines, or kvroute's `route` when its line sets `debug_header`), how
 many conversations each engine carried over time (on the mocker, for any router: from the
-engines' own in-flight gauges, which peers.py reads every second with --keep-samples),
-how many conversations changed engine at each step, and how often the router's own
+engines' own in-flight gauges, which peers.py reads every half second with --keep-samples,
+and which conversations shared an engine, from their started-request counters), how many conversations changed engine at each step, and how often the router's own
 count of a request's cache hits exceeded what the engine found, per step and in all (the
 blocks were evicted between the decision and the prefill, or the router's view was
 stale), where each conversation's first step went and what chose each move, and a fit of
@@ -14,10 +14,15 @@ the TTFTs to the terms the cost prices (what a block of each costs a first token
         --lines kvroute_dbg,vllm_router_cache_aware \\
         --kvroute 'kvroute_dbg={"overlap_weight":1,"debug_header":"x-kvroute-debug"}'
     python3 benches/session_steps.py DIR/samples/agentic_70.*.json
+    python3 benches/session_steps.py --stagger DIR*/samples/agentic_70.kvroute*.json
+
+--stagger pools the engines of every run given: how far apart the conversations sharing an
+engine reached their late steps, against the hit rate of those steps.
 
 A step is a request's turn within its conversation (the samples' `key`), in sending order.
 """
 import argparse
+import bisect
 import collections
 import json
 import pathlib
@@ -74,13 +79,93 @@ def step_table(runs):
     return "\n".join(rows)
 
 
+def conversations_placed(xs, inflight):
+    """{conversation key: engine} for the conversations the engines' started-request counters
+    (peers.py reads them every half second with --keep-samples on the mocker) put on one
+    engine throughout, for a line whose samples do not name engines.
+
+    A request's candidates are the engines whose counters rose in the reading interval it
+    was sent in or the next; a conversation's engine is the one engine every step of it had
+    as a candidate (a router that moved it, or two engines started together each time, leave
+    it out). The samples' clock starts when the load generator has read its tokenizer, some
+    tenths of a second after peers.py marked its start: the lag (searched over 0–2 s) at
+    which the most requests find a rise in their window is taken, and among those the one
+    that places the most conversations."""
+    rows = [row for row in inflight.get("samples", []) if len(row) == 3 and None not in row[2]]
+    if inflight.get("load_started_s") is None or len(rows) < 2:
+        return {}
+    engines = inflight["engines"]
+    starts = [row[0] for row in rows[1:]]
+    rises = [{engines[i] for i, (u, v) in enumerate(zip(a[2], b[2])) if v > u} for a, b in zip(rows, rows[1:])]
+    by_key = collections.defaultdict(list)
+    for x in xs:
+        by_key[x["key"]].append(x["sent_s"])
+
+    def placed(lag):
+        """(requests some engine started in their window, {key: engine}) at this lag."""
+        out, found = {}, 0
+        for key, sent in by_key.items():
+            common = set(engines)
+            for t in sent:
+                i = bisect.bisect_left(starts, inflight["load_started_s"] + lag + t)
+                candidates = set().union(*rises[i:i + 2])
+                found += bool(candidates)
+                common &= candidates
+            if len(common) == 1:
+                out[key] = common.pop()
+        return found, out
+
+    # At the right lag every request finds a rise in its window; a wrong one can still
+    # place a few by coincidence.
+    return max((placed(lag / 20) for lag in range(41)), key=lambda p: (p[0], len(p[1])))[1]
+
+
+def stagger_rows(xs):
+    """[(spread, hit)] per engine that carried several conversations to their second-to-last
+    step: how far apart (the standard deviation of their send times, wall s) they reached it,
+    and the hit rate of their last two steps. Conversations whose memory peaks coincide on one
+    engine outgrow it together, and evict each other's histories."""
+    steps = collections.defaultdict(list)
+    for x in sorted(xs, key=lambda x: x["sent_s"]):
+        steps[x["key"]].append(x)
+    n = max(map(len, steps.values()))
+    groups = collections.defaultdict(list)
+    for st in steps.values():
+        if len(st) == n and engine_of(st[n - 2]):
+            groups[engine_of(st[n - 2])].append(st[n - 2:])
+    return [(statistics.pstdev(last[0]["sent_s"] for last in g), hit_rate([x for last in g for x in last]), len(g))
+            for g in groups.values() if len(g) > 1]
+
+
+def stagger_table(runs):
+    """Every engine of every run that carried the most common number of conversations
+    pooled, by how far apart its conversations reached their second-to-last step: the hit
+    rate of their last two steps."""
+    rows = [row for r in runs.values() for row in stagger_rows(r["samples"])]
+    if not rows:
+        return "no engine carried several conversations to their last steps"
+    most = collections.Counter(n for *_, n in rows).most_common(1)[0][0]
+    rows = sorted((spread, hit) for spread, hit, n in rows if n == most)
+    out = [f"{len(rows)} engines carrying {most} conversations each to their last steps, from {len(runs)} runs", "",
+           "| the conversations reach their second-to-last step | engines | hit rate of the last two steps, mean (range) |",
+           "|---|---:|---|"]
+    for lo, hi in ((0, 5), (5, 7.5), (7.5, 10), (10, float("inf"))):
+        hits = [h for spread, h in rows if lo <= spread < hi]
+        if hits:
+            span = f"{lo}–{hi} s apart" if hi != float("inf") else f"≥ {lo} s apart"
+            out.append(f"| {span} (standard deviation) | {len(hits)} | {statistics.fmean(hits):.2f} ({min(hits):.2f}–{max(hits):.2f}) |")
+    if len(rows) > 2:
+        out.append(f"\ncorrelation of spread and hit rate: {statistics.correlation(*zip(*rows)):.2f}")
+    return "\n".join(out)
+
+
 def engine_report(label, r, every_s):
     """Requests in flight per engine every `every_s` seconds (wall), and the router's
     counted hits against the engine's, for a line whose samples name engines."""
     xs = r["samples"]
     if not all(engine_of(x) for x in xs):
         if r.get("engine_inflight"):
-            return sampled_report(label, r["engine_inflight"], every_s)
+            return sampled_report(label, r["engine_inflight"], every_s, xs)
         return f"{label}: the samples do not name engines"
     end = max(x["sent_s"] + x["e2e_ms"] / 1000 for x in xs)
     engines = sorted({engine_of(x) for x in xs})
@@ -187,7 +272,7 @@ def least_squares(rows, ys):
     return [a[i][n] / a[i][i] for i in range(n)]
 
 
-def sampled_report(label, inflight, every_s):
+def sampled_report(label, inflight, every_s, xs):
     """Requests in flight per engine every `every_s` seconds as peers.py read them from the
     mocker engines' own gauges (the reading nearest each time; t from the line's start,
     ~1 s before the load generator's first request)."""
@@ -196,9 +281,19 @@ def sampled_report(label, inflight, every_s):
            f"({', '.join(e.rsplit(':', 1)[-1] for e in engines)})"]
     t = every_s
     while rows and t < rows[-1][0]:
-        _, counts = min(rows, key=lambda row: abs(row[0] - t))
+        counts = min(rows, key=lambda row: abs(row[0] - t))[1]
         out.append(f"  t={t:5.0f} s  " + " ".join("  ?" if c is None else f"{c:3d}" for c in counts))
         t += every_s
+    placed = conversations_placed(xs, inflight)
+    if placed:
+        engines = collections.Counter(placed.values())
+        out.append(f"  the engines' started-request counters put {len(placed)} of {len({x['key'] for x in xs})} "
+                   f"conversations on one engine throughout; per engine: "
+                   f"{' '.join(str(engines[e]) for e in inflight['engines'])}")
+        ys = [{**x, "worker": placed[x["key"]]} for x in xs if x["key"] in placed]
+        for spread, hit, n in sorted(stagger_rows(ys)):
+            out.append(f"    {n} conversations whose second-to-last steps came {spread:4.1f} s apart (standard "
+                       f"deviation): their last two steps' hit rate {hit:.2f}")
     return "\n".join(out)
 
 
@@ -206,6 +301,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("samples", nargs="+", help="<workload>.<line>.json files from peers.py --keep-samples")
     ap.add_argument("--every-s", type=float, default=10.0, help="wall seconds between in-flight counts")
+    ap.add_argument("--stagger", action="store_true",
+                    help="only the engines of every run pooled: their conversations' late-step hit rate by how far "
+                         "apart they reached their late steps")
     args = ap.parse_args()
     runs = {}
     for f in args.samples:
@@ -225,9 +323,17 @@ def main():
         if failed:
             print(f"{r['label']}: {failed} failed requests left out")
         r["samples"] = [x for x in r["samples"] if x.get("ok", True)]
-        # The same line from two runs: told apart by the run's folder.
-        label = r["label"] if r["label"] not in runs else f"{r['label']}@{path.parent.parent.name}"
+        # The same line from two runs: told apart by the run's folder (and its parent's, for
+        # peers_seeds.py's seed-N folders).
+        label = r["label"]
+        if label in runs:
+            label = f"{r['label']}@{path.parent.parent.name}"
+        if label in runs:
+            label = f"{r['label']}@{path.parent.parent.parent.name}/{path.parent.parent.name}"
         runs[label] = r
+    if args.stagger:
+        print(stagger_table(runs))
+        return
     print(step_table(runs))
     for label, r in runs.items():
         print()

@@ -215,11 +215,17 @@ def test_peers_reference_lines_take_kvroute_apart(tmp_path):
 def test_peers_run_on_dynamos_mocker(tmp_path):
     """The second engine simulator: Dynamo's mocker, kvroute's sidecar subscribed to its
     vLLM-format events, and Dynamo deployed on the mockers as its users run it."""
-    out, runs = run_peers(tmp_path, "--sim", "mocker", "--lines", "kvroute_w1,dynamo_kv", "--speedup", "1")
+    out, runs = run_peers(tmp_path, "--sim", "mocker", "--lines", "kvroute_w1,dynamo_kv", "--speedup", "1",
+                          "--keep-samples")
     assert out["config"]["sim"] == "mocker" and set(runs) == {"kvroute_w1", "dynamo_kv"}
     # Every request scored by its blocks: the sidecar read the mocker's events.
     assert runs["kvroute_w1"]["scored"] == 8 and runs["kvroute_w1"]["hit_rate"] > 0, runs["kvroute_w1"]
     assert runs["dynamo_kv"]["peer_events_stored"].get("ok", 0) > 0, runs["dynamo_kv"]
+    # The engines' own gauges and started-request counters, read while kvroute's line ran
+    # (Dynamo's line reaches the mockers past their frontends): all eight requests counted.
+    sampled = runs["kvroute_w1"]["engine_inflight"]
+    assert sampled["load_started_s"] is not None and sampled["failed_reads"] == 0, sampled
+    assert sum(sampled["samples"][-1][2]) >= 8, sampled["samples"][-3:]
 
 
 def test_session_steps_reads_the_committed_agentic_runs(tmp_path):
@@ -279,6 +285,53 @@ def test_session_steps_reads_the_committed_agentic_runs(tmp_path):
     bad = subprocess.run([sys.executable, str(ROOT / "benches" / "session_steps.py"), str(stray)],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and "no run of agentic_70 kvroute_dbg" in bad.stderr
+
+
+def test_session_steps_pools_engines_by_how_far_apart_their_conversations_run():
+    """--stagger on every kvroute agentic run on the mocker that docs/peers-mocker-agentic
+    keeps gives the table its README quotes ("Which four agents share an engine"); and the
+    engines' started-request counters place vllm-router's conversations as quoted there."""
+    runs = ROOT / "docs" / "peers-mocker-agentic"
+    samples = sorted(str(p) for p in runs.glob("*/seed-*/samples/agentic_70.kvroute*.json") if "fleet" not in str(p))
+    r = subprocess.run([sys.executable, str(ROOT / "benches" / "session_steps.py"), "--stagger", *samples],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "189 engines carrying 4 conversations each to their last steps, from 29 runs" in r.stdout
+    assert "| 0–5 s apart (standard deviation) | 46 | 0.56 (0.49–0.66) |" in r.stdout
+    assert "| ≥ 10 s apart (standard deviation) | 52 | 0.74 (0.55–0.92) |" in r.stdout
+    assert "correlation of spread and hit rate: 0.71" in r.stdout
+    counted = sorted(str(p) for p in (runs / "started-counters").glob("seed-1/samples/*.json"))
+    r = subprocess.run([sys.executable, str(ROOT / "benches" / "session_steps.py"), *counted],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "started-request counters put 17 of 32 conversations on one engine throughout" in r.stdout
+
+
+def test_started_counters_place_conversations_that_stay():
+    """session_steps.conversations_placed on made-up counters: a conversation whose every step
+    rose one engine's counter is placed there, whatever the load generator's lag; one that
+    moved, or whose steps always started beside another's on a second engine, is not."""
+    sys.path.insert(0, str(ROOT / "benches"))
+    import session_steps
+    engines = ["e0", "e1", "e2"]
+    # a on e0; b on e1, then e2 (moved); c on e2 and d on e1, started in the same half second
+    # at their first steps and apart at their second; f on e0 and g on e2, together each time.
+    plan = {"a": [(1.2, 0), (5.2, 0)], "b": [(2.2, 1), (6.2, 2)], "c": [(3.2, 2), (7.2, 2)],
+            "d": [(3.3, 1), (8.3, 1)], "f": [(4.2, 0), (9.2, 0)], "g": [(4.3, 2), (9.3, 2)]}
+    lag = 1.4  # the load generator's clock starts this long after peers.py's mark
+    started, rows = [0, 0, 0], []
+    for i in range(30):
+        t = 0.5 * i
+        for sends in plan.values():
+            for sent, e in sends:
+                if t - 0.5 < 1.0 + lag + sent <= t:
+                    started[e] += 1
+        rows.append([t, [0, 0, 0], list(started)])
+    xs = [{"key": k, "sent_s": sent} for k, sends in plan.items() for sent, _ in sends]
+    placed = session_steps.conversations_placed(xs, {"engines": engines, "load_started_s": 1.0, "samples": rows})
+    assert placed == {"a": "e0", "c": "e2", "d": "e1"}
+    # Older runs kept the in-flight gauges only: nothing is placed.
+    assert session_steps.conversations_placed(xs, {"engines": engines, "samples": [r[:2] for r in rows]}) == {}
 
 
 def test_the_ttft_fit_recovers_known_coefficients():
