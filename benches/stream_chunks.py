@@ -48,13 +48,20 @@ def serve(ports, answer_s, ready):
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
-                length = 0
-                for line in head.split(b"\r\n"):
-                    if line.lower().startswith(b"content-length:"):
-                        length = int(line.split(b":", 1)[1])
+                fields = dict(line.split(b":", 1) for line in head.split(b"\r\n")[1:] if b":" in line)
+                fields = {k.strip().lower(): v.strip() for k, v in fields.items()}
+                length = int(fields.get(b"content-length", b"0"))
                 if length:
                     await reader.readexactly(length)
-                n = int(head.split(b"x-chunks: ", 1)[1].split(b"\r\n", 1)[0])
+                chunks = fields.get(b"x-chunks", b"")
+                if not chunks.isdigit() or not 1 <= int(chunks) <= 1_000_000:
+                    # Answered, not dropped: the load generator counts it as failed.
+                    body = b"x-chunks must be a count of answer chunks, 1 to 1000000\n"
+                    writer.write(b"HTTP/1.1 400 Bad Request\r\ncontent-type: text/plain\r\ncontent-length: %d\r\n\r\n%s"
+                                 % (len(body), body))
+                    await writer.drain()
+                    continue
+                n = int(chunks)
                 gap_s = answer_s / max(n - 1, 1)
                 writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
                              b"transfer-encoding: chunked\r\n\r\n")

@@ -2,10 +2,12 @@
 through a real Envoy and the simulated fleet). The measurements themselves are in
 docs/benchmarks.md; this only keeps the command there working."""
 import json
+import socket
 import subprocess
 import sys
+import threading
 
-from harness import ROOT
+from harness import ROOT, free_port
 from harness.paths import WASM
 
 
@@ -97,6 +99,26 @@ def test_stream_chunks_streams_every_answer_through_each_build(tmp_path):
     assert "| wasm |" in r.stdout
     bad = subprocess.run([sys.executable, bench, "--chunks", "8,2"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--chunks" in bad.stderr, bad.stderr
+
+
+def test_stream_chunks_upstream_answers_a_request_without_a_count():
+    """The bench's upstream answers a request whose x-chunks is missing or not a count with a
+    400 that says why, on a connection that stays usable; a count in any case streams."""
+    sys.path.insert(0, str(ROOT / "benches"))
+    import stream_chunks
+    port, ready = free_port(), threading.Event()
+    threading.Thread(target=stream_chunks.serve, args=([port], 0.01, ready), daemon=True).start()
+    assert ready.wait(10)
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        for header, status in ((b"", b"400"), (b"x-chunks: many\r\n", b"400"), (b"X-Chunks: 2\r\n", b"200")):
+            sock.sendall(b"POST / HTTP/1.1\r\nhost: t\r\ncontent-length: 2\r\n" + header + b"\r\n{}")
+            answer = b""
+            end = stream_chunks.END if status == b"200" else b"1000000\n"
+            while not answer.endswith(end):
+                got = sock.recv(65536)
+                assert got, f"the upstream closed the connection after {answer!r}"
+                answer += got
+            assert answer.startswith(b"HTTP/1.1 " + status), answer
 
 
 def test_the_prefix_hash_ring_is_the_same_every_run():
