@@ -4,8 +4,9 @@ the per-request samples `peers.py --keep-samples` kept; for a line whose samples
 engine (the fleet's engines, or kvroute's `route` when its line sets `debug_header`), how
 many conversations each engine carried over time (on the mocker, for any router: from the
 engines' own in-flight gauges, which peers.py reads every half second with --keep-samples,
-and which conversations shared an engine, from their started-request counters), how many conversations changed engine at each step, and how often the router's own
-count of a request's cache hits exceeded what the engine found, per step and in all (the
+and which conversations shared an engine, from their started-request counters), how many
+conversations changed engine at each step, and how often the router's own count of a
+request's cache hits exceeded what the engine found, per step and in all (the
 blocks were evicted between the decision and the prefill, or the router's view was
 stale), where each conversation's first step went and what chose each move, and a fit of
 the TTFTs to the terms the cost prices (what a block of each costs a first token).
@@ -121,13 +122,16 @@ def conversations_placed(xs, inflight):
 
 
 def stagger_rows(xs):
-    """[(spread, hit)] per engine that carried several conversations to their second-to-last
-    step: how far apart (the standard deviation of their send times, wall s) they reached it,
-    and the hit rate of their last two steps. Conversations whose memory peaks coincide on one
-    engine outgrow it together, and evict each other's histories."""
+    """[(spread, hit, conversations)] per engine that carried several conversations to their
+    second-to-last step: how far apart (the standard deviation of their send times, wall s)
+    they reached it, the hit rate of their last two steps, and how many they were.
+    Conversations whose memory peaks coincide on one engine outgrow it together, and evict
+    each other's histories."""
     steps = collections.defaultdict(list)
     for x in sorted(xs, key=lambda x: x["sent_s"]):
         steps[x["key"]].append(x)
+    if not steps:
+        return []
     n = max(map(len, steps.values()))
     groups = collections.defaultdict(list)
     for st in steps.values():

@@ -516,20 +516,20 @@ impl FilterConfig {
     }
 
     /// The cost's weights for one ranking: `overlap` is the mode's overlap weight, and
-    /// `prefills` whether the chosen worker computes the prefill. The wait terms apply only
-    /// where it does: a PD decode worker waits for none.
+    /// `prefills` whether the chosen worker computes the prefill. The wait limit and the
+    /// holder tie apply only where it does: a PD decode worker waits for no prefill.
     pub fn weights(&self, overlap: f64, prefills: bool) -> Weights {
-        let wait = |v: Option<f64>| v.filter(|_| prefills);
+        let if_prefills = |v: Option<f64>| v.filter(|_| prefills);
         Weights {
             overlap,
             prefill_load: self.prefill_load_weight,
             offload_hit_credit: self.offload_hit_credit,
-            wait_slack_per_hit: wait(self.wait_slack_per_hit),
-            idle_wait_slack_per_hit: wait(self.idle_wait_slack_per_hit),
-            wait_slack_backlog: wait(self.wait_slack_backlog),
-            wait_slack_own_cap: wait(self.wait_slack_own_cap),
-            holder_tie_per_hit: wait(self.holder_tie_per_hit),
-            holder_tie_load_slack: wait(self.holder_tie_load_slack),
+            wait_slack_per_hit: if_prefills(self.wait_slack_per_hit),
+            idle_wait_slack_per_hit: if_prefills(self.idle_wait_slack_per_hit),
+            wait_slack_backlog: if_prefills(self.wait_slack_backlog),
+            wait_slack_own_cap: if_prefills(self.wait_slack_own_cap),
+            holder_tie_per_hit: if_prefills(self.holder_tie_per_hit),
+            holder_tie_load_slack: if_prefills(self.holder_tie_load_slack),
         }
     }
 
@@ -735,6 +735,34 @@ mod tests {
         assert_eq!(eager.feed_linger_ms, 0);
         let off = SyncConfig::from_json(br#"{"load_report_interval_ms": 0, "gateway_id": "gw-a"}"#).unwrap();
         assert_eq!((off.load_report_interval_ms, off.gateway_id.as_deref()), (0, Some("gw-a")));
+    }
+
+    #[test]
+    fn a_ranking_takes_the_configured_weights_and_the_wait_terms_only_where_it_prefills() {
+        let c = FilterConfig::from_json(br#"{"prefill_load_weight": 0.5, "holder_tie_load_slack": 1}"#).unwrap();
+        let w = c.weights(2.0, true);
+        assert_eq!((w.overlap, w.prefill_load, w.offload_hit_credit), (2.0, 0.5, DEFAULT_OFFLOAD_HIT_CREDIT));
+        assert_eq!(
+            (w.wait_slack_per_hit, w.idle_wait_slack_per_hit, w.wait_slack_backlog, w.wait_slack_own_cap),
+            (
+                Some(DEFAULT_WAIT_SLACK_PER_HIT),
+                Some(DEFAULT_IDLE_WAIT_SLACK_PER_HIT),
+                Some(DEFAULT_WAIT_SLACK_BACKLOG),
+                Some(DEFAULT_WAIT_SLACK_OWN_CAP)
+            )
+        );
+        assert_eq!((w.holder_tie_per_hit, w.holder_tie_load_slack), (Some(DEFAULT_HOLDER_TIE_PER_HIT), Some(1.0)));
+        // A PD decode worker: the same cost, no wait limit nor holder tie.
+        let d = c.weights(2.0, false);
+        assert_eq!(
+            (d.overlap, d.prefill_load, d.offload_hit_credit),
+            (w.overlap, w.prefill_load, w.offload_hit_credit)
+        );
+        assert_eq!(
+            [d.wait_slack_per_hit, d.idle_wait_slack_per_hit, d.wait_slack_backlog, d.wait_slack_own_cap],
+            [None; 4]
+        );
+        assert_eq!((d.holder_tie_per_hit, d.holder_tie_load_slack), (None, None));
     }
 
     #[test]
