@@ -250,6 +250,12 @@ def test_peers_run_on_dynamos_mocker(tmp_path):
     assert sum(sampled["samples"][-1][2]) >= 8, sampled["samples"][-3:]
 
 
+def run_session_steps(*args, timeout=60):
+    """benches/session_steps.py run on `args`, its output captured."""
+    return subprocess.run([sys.executable, str(ROOT / "benches" / "session_steps.py"), *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
 def test_session_steps_reads_the_committed_agentic_runs(tmp_path):
     """benches/session_steps.py on the samples docs/peers-mocker-agentic keeps: the per-step
     table and engine counts its README quotes (from the samples, or for a line whose samples
@@ -257,8 +263,7 @@ def test_session_steps_reads_the_committed_agentic_runs(tmp_path):
     samples without their run's results.json entry."""
     runs = ROOT / "docs" / "peers-mocker-agentic"
     samples = sorted(str(p) for d in ("a", "b") for p in (runs / d).glob("samples/*.json"))
-    r = subprocess.run([sys.executable, str(ROOT / "benches" / "session_steps.py"), *samples, "--every-s", "20"],
-                       capture_output=True, text=True, timeout=60)
+    r = run_session_steps(*samples, "--every-s", "20")
     assert r.returncode == 0, r.stderr
     rows = {line.split(" | ")[0].strip("| "): line for line in r.stdout.splitlines() if line.startswith("| ")}
     assert rows["kvroute_dbg"].startswith("| kvroute_dbg | 0.75, 67 | 0.85, 89 |") and rows["kvroute_dbg"].endswith("| 0.71 |")
@@ -268,8 +273,7 @@ def test_session_steps_reads_the_committed_agentic_runs(tmp_path):
     assert "dynamo_kv: the samples do not name engines" in r.stdout
 
     placement = sorted(str(p) for p in (runs / "placement").glob("samples/*.json"))
-    r = subprocess.run([sys.executable, str(ROOT / "benches" / "session_steps.py"), *placement, "--every-s", "10"],
-                       capture_output=True, text=True, timeout=60)
+    r = run_session_steps(*placement, "--every-s", "10")
     assert r.returncode == 0, r.stderr
     rows = {line.split(" | ")[0].strip("| "): line for line in r.stdout.splitlines() if line.startswith("| ")}
     assert rows["vllm_router_cache_aware"].startswith("| vllm_router_cache_aware | 0.67, 59 | 0.89, 87 |")
@@ -289,23 +293,20 @@ def test_session_steps_reads_the_committed_agentic_runs(tmp_path):
     assert "the moves by what chose the new engine: 33 cost, 13 memory limit, 3 wait limit" in r.stdout
     assert "1.49 uncached, 3.19 queued for prefill ahead, 0.048 in flight; R² 0.64" in r.stdout
     fleet = sorted(str(p) for p in (runs / "fit-fleet").glob("samples/*.json"))
-    r = subprocess.run([sys.executable, str(ROOT / "benches" / "session_steps.py"), *fleet],
-                       capture_output=True, text=True, timeout=60)
+    r = run_session_steps(*fleet)
     assert r.returncode == 0, r.stderr
     assert "3.13 uncached, 1.63 queued for prefill ahead, 0.036 in flight; R² 0.95" in r.stdout
     assert "3.26 uncached, 1.73 queued for prefill ahead, 0.114 in flight; R² 0.94" in r.stdout
     # One line from two runs: both reported, told apart by the run's folder.
     both = [*placement, str(runs / "a" / "samples" / "agentic_70.kvroute_dbg.json")]
-    r = subprocess.run([sys.executable, str(ROOT / "benches" / "session_steps.py"), *both],
-                       capture_output=True, text=True, timeout=60)
+    r = run_session_steps(*both)
     assert r.returncode == 0 and "| kvroute_dbg@a |" in r.stdout and "| kvroute_dbg |" in r.stdout, r.stdout
 
     stray = tmp_path / "samples" / "agentic_70.kvroute_dbg.json"
     stray.parent.mkdir()
     stray.write_text((runs / "a" / "samples" / "agentic_70.kvroute_dbg.json").read_text())
     (tmp_path / "results.json").write_text(json.dumps({"runs": []}))
-    bad = subprocess.run([sys.executable, str(ROOT / "benches" / "session_steps.py"), str(stray)],
-                         capture_output=True, text=True, timeout=60)
+    bad = run_session_steps(str(stray))
     assert bad.returncode != 0 and "no run of agentic_70 kvroute_dbg" in bad.stderr
 
 
@@ -315,16 +316,14 @@ def test_session_steps_pools_engines_by_how_far_apart_their_conversations_run():
     engines' started-request counters place vllm-router's conversations as quoted there."""
     runs = ROOT / "docs" / "peers-mocker-agentic"
     samples = sorted(str(p) for p in runs.glob("*/seed-*/samples/agentic_70.kvroute*.json") if "fleet" not in str(p))
-    r = subprocess.run([sys.executable, str(ROOT / "benches" / "session_steps.py"), "--stagger", *samples],
-                       capture_output=True, text=True, timeout=120)
+    r = run_session_steps("--stagger", *samples, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "189 engines carrying 4 conversations each to their last steps, from 29 runs" in r.stdout
     assert "| 0–5 s apart (standard deviation) | 46 | 0.56 (0.49–0.66) |" in r.stdout
     assert "| ≥ 10 s apart (standard deviation) | 52 | 0.74 (0.55–0.92) |" in r.stdout
     assert "correlation of spread and hit rate: 0.71" in r.stdout
     counted = sorted(str(p) for p in (runs / "started-counters").glob("seed-1/samples/*.json"))
-    r = subprocess.run([sys.executable, str(ROOT / "benches" / "session_steps.py"), *counted],
-                       capture_output=True, text=True, timeout=60)
+    r = run_session_steps(*counted)
     assert r.returncode == 0, r.stderr
     assert "started-request counters put 17 of 32 conversations on one engine throughout" in r.stdout
 
