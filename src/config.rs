@@ -375,8 +375,8 @@ pub const DEFAULT_CACHE_KEY_LIVE_MS: u64 = 60_000;
 pub const DEFAULT_IMPLICIT_CACHE_KEYS: bool = true;
 
 /// Off: measured level alone on both simulators; with the memory limit off, +0.7–1.4
-/// points on the mocker's agentic loop at seeds 1–3, not yet measured on the other
-/// workloads (docs/benchmarks.md, "Implicit keys").
+/// points on the mocker's agentic loop at seeds 1–3 but level at seeds 4–5, and level on
+/// both simulators' other workloads (docs/benchmarks.md, "Implicit keys").
 pub const DEFAULT_IMPLICIT_KEY_CHARGE_CONTINUATIONS: bool = false;
 
 /// Chosen by the head-to-head benchmark (docs/benchmarks.md): 0.5 and 1 lose the agentic loop.
